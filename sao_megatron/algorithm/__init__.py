@@ -1,0 +1,1 @@
+"""Pure tensor math of SAO and GRPO: advantages, importance weights, losses, metrics."""

@@ -1,0 +1,1 @@
+"""HF <-> Megatron checkpoint conversion (also the weight-sync mapping to rollout engines)."""

@@ -1,0 +1,1 @@
+"""Typed contracts exchanged between stages (trajectories, batches) and data utilities."""

@@ -1,0 +1,1 @@
+"""Agent environments and tasks: the protocol, a registry, and the built-in environments."""

@@ -1,0 +1,1 @@
+"""Megatron-Core policy and value models, freezing, and log-prob/entropy computation."""

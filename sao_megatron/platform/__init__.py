@@ -1,0 +1,1 @@
+"""Platform selection (CUDA+NCCL+TE vs CPU+gloo+local) and the CPU compatibility layer."""

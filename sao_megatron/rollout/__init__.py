@@ -1,0 +1,1 @@
+"""Asynchronous rollout: vLLM engines, router, episode runner, trajectory buffer, weight sync."""

@@ -1,0 +1,1 @@
+"""Trainer: Megatron forward/backward for policy and value, the controller loop, checkpoints."""

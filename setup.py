@@ -1,0 +1,42 @@
+"""Package set-up for sao_megatron (see README for the two commands that install and run it)."""
+
+from setuptools import find_packages, setup
+
+# torch is pinned by the Makefile (`torch==2.13.0` picks the local CPU wheel); here we only state
+# the range we test against, so pip never resolves an unpinned torch to a CUDA build on its own.
+INSTALL_REQUIRES = [
+    "torch>=2.6,<2.15",
+    "megatron-core==0.16.*",
+    "numpy>=1.26",
+    "sentencepiece>=0.2,<0.3",
+    "omegaconf>=2.3,<2.5",
+    "safetensors>=0.4",
+    "psutil>=5.9",  # megatron dist_checkpointing's async writer hangs without it
+    "reasoning-gym==0.1.25",
+    "math-verify>=0.7,<0.10",
+    "tqdm>=4.66",
+    "tensorboard>=2.16",
+    "matplotlib>=3.8",
+    "requests>=2.31",
+]
+
+EXTRAS = {
+    # GPU-only: need CUDA at build time; the CPU path never imports them.
+    "gpu": ["transformer-engine[pytorch]>=2.4"],
+    "dev": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6"],
+}
+
+setup(
+    name="sao_megatron",
+    version="0.1.0",
+    description="SAO: single-trajectory asynchronous RL post-training for MoE LLMs on Megatron-Core",
+    packages=find_packages(include=["sao_megatron", "sao_megatron.*"]),
+    python_requires=">=3.10,<3.13",
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS,
+    entry_points={
+        "console_scripts": [
+            # Declared as their issues land; nothing here pretends to work before it does.
+        ]
+    },
+)
