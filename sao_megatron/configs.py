@@ -1,0 +1,81 @@
+"""Load job configs: YAML files fill component dataclasses (OmegaConf structured configs).
+
+Every component owns a small ``@dataclass(kw_only=True)`` validated in ``__post_init__``; a job
+config only composes them. This module turns ``CONFIG.yaml`` plus dotted CLI overrides
+(``algorithm.value_updates_per_policy_update=2``) into that typed object, and turns OmegaConf's
+errors into messages that name the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, TypeVar, get_type_hints
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+T = TypeVar("T")
+
+
+def load_config(schema: type[T], path: str | Path | None, overrides: list[str] = ()) -> T:
+    """Build ``schema`` from a YAML file and ``key.sub=value`` overrides.
+
+    Args:
+        schema: a dataclass type (the job config).
+        path: YAML file, or None to start from the dataclass defaults.
+        overrides: dotted overrides applied after the file, in order.
+
+    Raises:
+        FileNotFoundError: the YAML file does not exist.
+        ValueError: unknown key, wrong type, or a value a component's ``__post_init__`` rejects;
+            the message names the dotted field.
+    """
+    base = OmegaConf.structured(schema)
+    layers = []
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"config file {p} does not exist")
+        layers.append(OmegaConf.load(p))
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ValueError(f"overrides must look like section.field=value, got {bad}")
+    layers.append(OmegaConf.from_dotlist(list(overrides)))
+    try:
+        merged = OmegaConf.merge(base, *layers)
+    except ConfigKeyError as e:
+        raise ValueError(
+            f"unknown config key {e.full_key!r}: check the spelling against "
+            f"`sao-train --help` or the dataclass {type(e.object_type).__name__ if e.object_type else ''}"
+        ) from None
+    except ValidationError as e:
+        raise ValueError(f"config field {e.full_key!r}: {e.msg}") from None
+    except OmegaConfBaseException as e:  # pragma: no cover - other OmegaConf failures
+        raise ValueError(f"config error: {e}") from None
+    return OmegaConf.to_object(merged)  # runs each dataclass's __post_init__
+
+
+def to_yaml(config: Any) -> str:
+    """Serialise a (nested) config dataclass to YAML, e.g. for checkpoints and run dirs."""
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def describe(schema: type, prefix: str = "") -> list[tuple[str, str]]:
+    """(dotted field, default) for every leaf field of a config dataclass, for ``--help``."""
+    hints = get_type_hints(schema)
+    rows: list[tuple[str, str]] = []
+    for f in dataclasses.fields(schema):
+        name = f"{prefix}{f.name}"
+        ftype = hints.get(f.name)
+        if isinstance(ftype, type) and dataclasses.is_dataclass(ftype):
+            rows += describe(ftype, prefix=name + ".")
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = repr(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            default = repr(f.default_factory())
+        else:
+            default = "<required>"
+        rows.append((name, default))
+    return rows

@@ -1,0 +1,47 @@
+from dataclasses import dataclass, field
+
+import pytest
+
+from sao_megatron.configs import describe, load_config, to_yaml
+
+
+@dataclass(kw_only=True)
+class Inner:
+    lr: float = 1e-3
+    steps: int = 10
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr={self.lr}: must be > 0")
+
+
+@dataclass(kw_only=True)
+class Job:
+    optim: Inner = field(default_factory=Inner)
+    name: str = "run"
+
+
+def test_yaml_and_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("optim:\n  lr: 0.5\nname: x\n")
+    cfg = load_config(Job, f, ["optim.steps=3"])
+    assert isinstance(cfg.optim, Inner)
+    assert (cfg.optim.lr, cfg.optim.steps, cfg.name) == (0.5, 3, "x")
+    assert "lr: 0.5" in to_yaml(cfg)
+
+
+def test_errors_name_the_field(tmp_path):
+    with pytest.raises(ValueError, match="optim.stpes"):
+        load_config(Job, None, ["optim.stpes=3"])
+    with pytest.raises(ValueError, match="optim.steps"):
+        load_config(Job, None, ["optim.steps=abc"])
+    with pytest.raises(ValueError, match="optim.lr=-1"):
+        load_config(Job, None, ["optim.lr=-1"])
+    with pytest.raises(ValueError, match="section.field=value"):
+        load_config(Job, None, ["optim.lr"])
+    with pytest.raises(FileNotFoundError):
+        load_config(Job, tmp_path / "missing.yaml")
+
+
+def test_describe():
+    assert describe(Job) == [("optim.lr", "0.001"), ("optim.steps", "10"), ("name", "'run'")]
