@@ -45,12 +45,13 @@ def load_config(schema: type[T], path: str | Path | None, overrides: list[str] =
     try:
         merged = OmegaConf.merge(base, *layers)
     except ConfigKeyError as e:
+        owner = getattr(e.object_type, "__name__", "the config dataclass")
         raise ValueError(
-            f"unknown config key {e.full_key!r}: check the spelling against "
-            f"`sao-train --help` or the dataclass {type(e.object_type).__name__ if e.object_type else ''}"
+            f"unknown config key {e.full_key!r}: not a field of {owner}; check the spelling "
+            "against `sao-train --help`"
         ) from None
     except ValidationError as e:
-        raise ValueError(f"config field {e.full_key!r}: {e.msg}") from None
+        raise ValueError(f"config field {e.full_key!r}: {e.msg.splitlines()[0]}") from None
     except OmegaConfBaseException as e:  # pragma: no cover - other OmegaConf failures
         raise ValueError(f"config error: {e}") from None
     return OmegaConf.to_object(merged)  # runs each dataclass's __post_init__

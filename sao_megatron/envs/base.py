@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -42,6 +43,56 @@ class Environment(Protocol):
     def step(self, action: str) -> StepResult: ...
 
 
+@runtime_checkable
+class SupportsGoldAction(Protocol):
+    """An environment that can name a gold (expert) action from its *current* state.
+
+    Demonstrations (`sao_megatron.data.demonstrations`) and the `show` CLI drive any environment
+    that implements this. `gold_action()` is only valid between `reset` and the end of the
+    episode; it raises RuntimeError otherwise.
+    """
+
+    def gold_action(self) -> str: ...
+
+
+@dataclass(kw_only=True)
+class EnvSpec:
+    """Which environment to build and with which options (a job config holds a list of these).
+
+    Fields:
+        name: a registered environment name (see `registered_envs()`), e.g. "hanoi".
+        options: keyword options for that environment's config dataclass, e.g. {"horizon": 200}.
+        weight: relative sampling weight when a job mixes several environments (> 0).
+    """
+
+    name: str
+    options: dict[str, Any] = field(default_factory=dict)
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"EnvSpec.name={self.name!r}: give a registered environment name")
+        if not (self.weight > 0):
+            raise ValueError(f"EnvSpec.weight={self.weight}: must be > 0")
+
+    def build(self) -> Environment:
+        """Build the environment through the registry (`make_env(name, **options)`)."""
+        return make_env(self.name, **dict(self.options))
+
+
+def config_from_options(config_cls: type, options: dict[str, Any], where: str) -> Any:
+    """Build the config dataclass `config_cls(**options)`, naming unknown fields in the error.
+
+    Raises ValueError("<where>: unknown option 'x'; valid options: [...]") instead of the bare
+    TypeError a dataclass raises, so a typo in YAML says what the choices were.
+    """
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise ValueError(f"{where}: unknown option(s) {unknown}; valid options: {sorted(names)}")
+    return config_cls(**options)
+
+
 EnvFactory = Callable[..., Environment]
 _REGISTRY: dict[str, EnvFactory] = {}
 
@@ -69,4 +120,5 @@ def make_env(name: str, **options: Any) -> Environment:
 
 
 def registered_envs() -> list[str]:
+    """Names accepted by `make_env`, sorted."""
     return sorted(_REGISTRY)
