@@ -1,0 +1,383 @@
+"""Advantages and value targets: token- and node-level GAE, GRPO group advantages, whitening.
+
+Batch convention (one trajectory per row, right-padded; see docs/ALGORITHM.md "Batch layout"):
+
+* ``action_mask [B, T] bool``: True on tokens the policy sampled (m_t); prompt, observation and
+  padding tokens are False and are skipped by GAE (they pass V_next and A_next through).
+* ``node_index [B, T] int64``: the action node of each token (read on action tokens only; any
+  value, e.g. -1, elsewhere). Nodes of a row are ordered by index; N = node_rewards.shape[1].
+* ``node_rewards [B, N] float``: the reward the environment returned after action n, as in
+  `sao_megatron.data.trajectory.ActionNode.reward`. Padding nodes (no action token) must be 0.
+  For token-level GAE the reward of node n sits on node n's last action token, so the terminal
+  reward sits on the trajectory's last action token, never on a trailing observation token.
+* ``values [B, T] float``: V(s_t) from the value model at each token (read on action tokens).
+* ``next_values [B] float``: V of the state after the last action: 0 for a terminated episode,
+  the bootstrap value for a truncated one (built by `final_next_values`).
+
+Outputs are [B, T] with 0 on non-action tokens. Everything runs in float64 inside the scan and is
+returned in the dtype of ``values``; nothing loops over rows or tokens in Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import AlgorithmConfig
+from .scan import compact, discounted_reverse_cumsum, expand
+
+
+@dataclass(kw_only=True)
+class AdvantageOutput:
+    """Result of `compute_advantages`.
+
+    advantages: [B, T] policy advantages, 0 off the action mask.
+    returns: [B, T] value targets R = A(lam_value) + V where value_mask is True (None for GRPO).
+    value_mask: [B, T] bool, the positions the value loss is taken on (None for GRPO).
+    lam_policy: [B] the policy lambda used per row (length-adaptive or constant; None for GRPO).
+    """
+
+    advantages: torch.Tensor
+    returns: torch.Tensor | None = None
+    value_mask: torch.Tensor | None = None
+    lam_policy: torch.Tensor | None = None
+
+
+def final_next_values(
+    truncated: torch.Tensor, bootstrap_values: torch.Tensor | None, bootstrap_truncated: bool
+) -> torch.Tensor:
+    """V after the last action per row: bootstrap_values where truncated (if enabled), else 0.
+
+    Args:
+        truncated: [B] bool, the episode hit its budget rather than terminating.
+        bootstrap_values: [B] float V(last state) or None (allowed only if nothing is truncated or
+            bootstrapping is off).
+        bootstrap_truncated: algorithm.bootstrap_truncated; False treats truncation as termination.
+
+    Returns: [B] float64. Raises ValueError if a truncated row needs a missing bootstrap value.
+    """
+    truncated = truncated.to(torch.bool)
+    if not bootstrap_truncated or not bool(truncated.any()):
+        return torch.zeros(truncated.shape, dtype=torch.float64, device=truncated.device)
+    if bootstrap_values is None:
+        raise ValueError(
+            "truncated rows need bootstrap_values ([B] V of the last state) when "
+            "algorithm.bootstrap_truncated is true; pass them or set bootstrap_truncated=false"
+        )
+    return torch.where(truncated, bootstrap_values.to(torch.float64), 0.0)
+
+
+def length_adaptive_lambda(lengths: torch.Tensor, alpha: float) -> torch.Tensor:
+    """VAPO length-adaptive lambda: clamp(1 - 1 / (alpha * l), 0, 1) per row.
+
+    Source: Yue et al. 2025, VAPO (arXiv 2504.05118), section 3.2, lambda_policy = 1 - 1/(alpha l).
+    Args: lengths [B] int (GAE steps of each row; rows of length 0 get 0), alpha > 0.
+    Returns: [B] float64.
+    """
+    lengths = lengths.to(torch.float64).clamp(min=1.0)
+    return (1.0 - 1.0 / (alpha * lengths)).clamp(0.0, 1.0)
+
+
+def gae_packed(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    next_values: torch.Tensor,
+    gamma: float,
+    lam: torch.Tensor | float,
+) -> torch.Tensor:
+    """GAE on packed (left-aligned, right-padded) step sequences.
+
+    delta_t = r_t + gamma V_{t+1} - V_t (V_{l} = next_values), A_t = delta_t + gamma lam A_{t+1}.
+    Source: Schulman et al. 2016, "High-Dimensional Continuous Control Using GAE", eq. 16.
+
+    Args:
+        rewards, values: [B, L] float; entries at j >= lengths[b] are ignored.
+        lengths: [B] int64 number of valid steps per row (0 allowed: the row is all zeros).
+        next_values: [B] float, V after the last valid step.
+        gamma: discount in [0, 1]. lam: float or [B] in [0, 1].
+
+    Returns: [B, L] float64 advantages, 0 at j >= lengths[b].
+    """
+    b, length = rewards.shape
+    r = rewards.to(torch.float64)
+    v = values.to(torch.float64)
+    valid = torch.arange(length, device=r.device)[None, :] < lengths[:, None]
+    r = torch.where(valid, r, 0.0)
+    v = torch.where(valid, v, 0.0)
+    v_ext = torch.nn.functional.pad(v, (0, 1)).scatter(
+        1, lengths[:, None].long(), next_values.to(torch.float64)[:, None]
+    )
+    delta = torch.where(valid, r + gamma * v_ext[:, 1:] - v, 0.0)
+    lam_t = torch.as_tensor(lam, dtype=torch.float64, device=r.device).expand(b)
+    return discounted_reverse_cumsum(delta, gamma * lam_t)
+
+
+def _check_nodes(node_rewards: torch.Tensor, node_index: torch.Tensor, action_mask: torch.Tensor):
+    if node_index.shape != action_mask.shape or node_rewards.shape[0] != action_mask.shape[0]:
+        raise ValueError(
+            f"shapes differ: node_index {tuple(node_index.shape)}, action_mask "
+            f"{tuple(action_mask.shape)}, node_rewards {tuple(node_rewards.shape)} (want [B, T], "
+            "[B, T], [B, N])"
+        )
+    n = node_rewards.shape[1]
+    idx = node_index[action_mask]
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+        raise ValueError(
+            f"node_index on action tokens must be in [0, {n}) (N = node_rewards.shape[1]); "
+            f"got range [{int(idx.min())}, {int(idx.max())}]"
+        )
+
+
+def node_layout(node_index: torch.Tensor, action_mask: torch.Tensor, num_nodes: int):
+    """Per node: position of its last action token, its action-token count, and whether it exists.
+
+    Args: node_index [B, T] int64, action_mask [B, T] bool, num_nodes N.
+    Returns: (last_pos [B, N] int64 (0 for absent nodes), counts [B, N] int64,
+        node_mask [B, N] bool = counts > 0).
+    """
+    b, t = action_mask.shape
+    idx = torch.where(action_mask, node_index, num_nodes)  # non-action -> spill node N
+    pos = torch.arange(t, device=action_mask.device).expand(b, t)
+    last = torch.zeros(b, num_nodes + 1, dtype=torch.long, device=action_mask.device)
+    last = last.scatter_reduce(1, idx, pos, reduce="amax", include_self=True)[:, :num_nodes]
+    counts = torch.zeros(b, num_nodes + 1, dtype=torch.long, device=action_mask.device)
+    counts = counts.scatter_add(1, idx, action_mask.long())[:, :num_nodes]
+    return last, counts, counts > 0
+
+
+def token_rewards_from_nodes(
+    node_rewards: torch.Tensor, node_index: torch.Tensor, action_mask: torch.Tensor
+) -> torch.Tensor:
+    """Place each node's reward on that node's last action token.
+
+    Args: node_rewards [B, N] float, node_index [B, T] int64, action_mask [B, T] bool.
+    Returns: [B, T] float (dtype of node_rewards), 0 elsewhere.
+    Raises ValueError if a node with no action token has a nonzero reward (it would be lost).
+    """
+    _check_nodes(node_rewards, node_index, action_mask)
+    last, _, node_mask = node_layout(node_index, action_mask, node_rewards.shape[1])
+    if bool((node_rewards.ne(0) & ~node_mask).any()):
+        raise ValueError(
+            "node_rewards holds a nonzero reward for a node with no action token in node_index; "
+            "give every rewarded node at least one action token (padding nodes must be 0)"
+        )
+    out = node_rewards.new_zeros(action_mask.shape)
+    return out.scatter_add(1, last, torch.where(node_mask, node_rewards, 0.0))
+
+
+def action_token_gae(
+    *,
+    values: torch.Tensor,
+    node_rewards: torch.Tensor,
+    node_index: torch.Tensor,
+    action_mask: torch.Tensor,
+    next_values: torch.Tensor,
+    gamma: float,
+    lam_policy: float,
+    lam_value: float,
+    length_adaptive_alpha: float | None = None,
+) -> AdvantageOutput:
+    """Token-level GAE over action tokens only (SAO default, `advantage_granularity=action_token`).
+
+    Observation/prompt tokens are skipped: they keep V_next and A_next unchanged, so the recursion
+    delta_t = r_t + gamma V_next(t) - V_t, A_t = delta_t + gamma lam A_next(t) runs over the
+    action tokens in order, with r_t = node reward on a node's last action token, 0 otherwise.
+    Sources: GAE eq. 16 (Schulman et al. 2016); token-level GAE with lam_value = 1 for the value
+    targets and length-adaptive lam_policy: VAPO (Yue et al. 2025, arXiv 2504.05118) sec. 3.
+
+    Shapes: values [B, T], node_rewards [B, N], node_index [B, T], action_mask [B, T],
+    next_values [B] (see module docstring). Returns advantages/returns [B, T] (dtype of values),
+    value_mask = action_mask.
+    """
+    mask = action_mask.to(torch.bool)
+    rewards_tok = token_rewards_from_nodes(node_rewards.to(values.dtype), node_index, mask)
+    r_packed, lengths = compact(rewards_tok, mask)
+    v_packed, _ = compact(values, mask)
+    lam_pi = _policy_lambda(lengths, lam_policy, length_adaptive_alpha)
+    adv = gae_packed(r_packed, v_packed, lengths, next_values, gamma, lam_pi)
+    adv_v = gae_packed(r_packed, v_packed, lengths, next_values, gamma, lam_value)
+    returns = adv_v + v_packed.to(torch.float64)
+    return AdvantageOutput(
+        advantages=expand(adv, mask).to(values.dtype),
+        returns=expand(returns, mask).to(values.dtype),
+        value_mask=mask,
+        lam_policy=lam_pi,
+    )
+
+
+def node_gae(
+    *,
+    values: torch.Tensor,
+    node_rewards: torch.Tensor,
+    node_index: torch.Tensor,
+    action_mask: torch.Tensor,
+    next_values: torch.Tensor,
+    gamma: float,
+    lam_policy: float,
+    lam_value: float,
+    node_value: str = "last_token",
+    length_adaptive_alpha: float | None = None,
+) -> AdvantageOutput:
+    """Node-level GAE: one value and one advantage per action node, broadcast to its tokens.
+
+    V_n = values at node n's last action token (node_value="last_token") or the mean of values
+    over node n's action tokens ("mean"). delta_n = R_n + gamma V_{n+1} - V_n over the nodes that
+    have action tokens, in node order; A_n = delta_n + gamma lam A_{n+1} (GAE eq. 16, Schulman et
+    al. 2016, with an action node as the MDP step). Every action token of node n gets A_n and the
+    value target A_n(lam_value) + V_n. value_mask: the last action token of each node for
+    "last_token", every action token for "mean".
+
+    Shapes as `action_token_gae`. Raises ValueError for an unknown node_value.
+    """
+    if node_value not in ("last_token", "mean"):
+        raise ValueError(f"node_value={node_value!r}: use 'last_token' or 'mean'")
+    mask = action_mask.to(torch.bool)
+    _check_nodes(node_rewards, node_index, mask)
+    num_nodes = node_rewards.shape[1]
+    last, counts, node_mask = node_layout(node_index, mask, num_nodes)
+    if bool((node_rewards.ne(0) & ~node_mask).any()):
+        raise ValueError(
+            "node_rewards holds a nonzero reward for a node with no action token in node_index; "
+            "give every rewarded node at least one action token (padding nodes must be 0)"
+        )
+    v64 = values.to(torch.float64)
+    if node_value == "last_token":
+        v_node = v64.gather(1, last)
+    else:
+        idx = torch.where(mask, node_index, num_nodes)
+        sums = v64.new_zeros(v64.shape[0], num_nodes + 1).scatter_add(
+            1, idx, torch.where(mask, v64, 0.0)
+        )[:, :num_nodes]
+        v_node = sums / counts.clamp(min=1)
+    r_packed, lengths = compact(node_rewards.to(torch.float64), node_mask)
+    v_packed, _ = compact(v_node, node_mask)
+    lam_pi = _policy_lambda(lengths, lam_policy, length_adaptive_alpha)
+    adv_n = gae_packed(r_packed, v_packed, lengths, next_values, gamma, lam_pi)
+    ret_n = gae_packed(r_packed, v_packed, lengths, next_values, gamma, lam_value)
+    adv_n, ret_n = expand(adv_n, node_mask), expand(ret_n, node_mask)
+    ret_n = ret_n + torch.where(node_mask, v_node, 0.0)
+    safe_idx = torch.where(mask, node_index, 0)
+    adv = torch.where(mask, adv_n.gather(1, safe_idx), 0.0)
+    ret = torch.where(mask, ret_n.gather(1, safe_idx), 0.0)
+    if node_value == "last_token":
+        value_mask = torch.zeros_like(mask).scatter(1, last, node_mask) & mask
+    else:
+        value_mask = mask
+    return AdvantageOutput(
+        advantages=adv.to(values.dtype),
+        returns=ret.to(values.dtype),
+        value_mask=value_mask,
+        lam_policy=lam_pi,
+    )
+
+
+def _policy_lambda(lengths: torch.Tensor, lam: float, alpha: float | None) -> torch.Tensor:
+    if alpha is None:
+        return torch.full(lengths.shape, float(lam), dtype=torch.float64, device=lengths.device)
+    return length_adaptive_lambda(lengths, alpha)
+
+
+def grpo_advantages(
+    scores: torch.Tensor, group_ids: torch.Tensor, *, std_normalize: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """GRPO outcome advantages: (R_i - mean_G R) / (std_G R + eps), or R_i - mean_G R (Dr.GRPO).
+
+    Sources: Shao et al. 2024, DeepSeekMath (arXiv 2402.03300) sec. 4.1.2 (outcome supervision);
+    Liu et al. 2025, Dr.GRPO (arXiv 2503.20783) eq. for the std-free variant. std is the unbiased
+    (n-1) sample std of the group, as torch.std; a group of size 1 gets advantage 0 (not NaN).
+
+    Args:
+        scores: [B] float, total reward of each trajectory.
+        group_ids: [B] int64, rows with equal id form one group (e.g. one task).
+    Returns: [B] float (dtype of scores).
+    """
+    if scores.dim() != 1 or group_ids.shape != scores.shape:
+        raise ValueError(
+            f"scores and group_ids must both be [B]; got {tuple(scores.shape)}, "
+            f"{tuple(group_ids.shape)}"
+        )
+    s = scores.to(torch.float64)
+    _, inv = torch.unique(group_ids, return_inverse=True)
+    g = int(inv.max()) + 1 if inv.numel() else 0
+    count = s.new_zeros(g).scatter_add(0, inv, torch.ones_like(s))
+    mean = s.new_zeros(g).scatter_add(0, inv, s) / count
+    centred = s - mean[inv]
+    if not std_normalize:
+        return centred.to(scores.dtype)
+    ss = s.new_zeros(g).scatter_add(0, inv, centred**2)
+    std = torch.where(count > 1, ss / (count - 1).clamp(min=1), 0.0).sqrt()
+    return (centred / (std[inv] + eps)).to(scores.dtype)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over the masked entries (population variance); 0 off mask.
+
+    Args: x [B, T] float, mask [B, T] bool. Returns [B, T] (dtype of x); all zeros if mask is
+    empty. Whitening is over the tensor given: pass the whole batch, not one micro-batch.
+    """
+    mask = mask.to(torch.bool)
+    n = mask.sum()
+    if int(n) == 0:
+        return torch.zeros_like(x)
+    x64 = torch.where(mask, x.to(torch.float64), 0.0)
+    mean = x64.sum() / n
+    var = torch.where(mask, (x64 - mean) ** 2, 0.0).sum() / n
+    return torch.where(mask, (x64 - mean) * torch.rsqrt(var + eps), 0.0).to(x.dtype)
+
+
+def compute_advantages(
+    config: AlgorithmConfig,
+    *,
+    node_rewards: torch.Tensor,
+    node_index: torch.Tensor,
+    action_mask: torch.Tensor,
+    values: torch.Tensor | None = None,
+    truncated: torch.Tensor | None = None,
+    bootstrap_values: torch.Tensor | None = None,
+    group_ids: torch.Tensor | None = None,
+) -> AdvantageOutput:
+    """Advantages (and value targets for SAO) as selected by `config`.
+
+    sao: `algorithm.advantage_granularity` picks action_token_gae / node_gae; needs values [B, T]
+    and (if any row is truncated and bootstrap_truncated) bootstrap_values [B].
+    grpo: grpo_advantages on the trajectories' total rewards node_rewards.sum(1), grouped by
+    group_ids [B], broadcast to every action token; needs group_ids.
+    Then, if `algorithm.whiten_advantages`, masked_whiten over the action tokens of the batch.
+    Raises ValueError when a required input is missing.
+    """
+    mask = action_mask.to(torch.bool)
+    if config.name == "grpo":
+        if group_ids is None:
+            raise ValueError("algorithm.name='grpo' needs group_ids [B] (one id per task)")
+        scores = node_rewards.sum(dim=1)
+        adv = grpo_advantages(
+            scores, group_ids, std_normalize=config.grpo_std_normalize, eps=config.grpo_eps
+        )
+        out = AdvantageOutput(advantages=torch.where(mask, adv[:, None], 0.0))
+    else:
+        if values is None:
+            raise ValueError("algorithm.name='sao' needs values [B, T] from the value model")
+        if truncated is None:
+            truncated = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
+        nxt = final_next_values(truncated, bootstrap_values, config.bootstrap_truncated)
+        common = dict(
+            values=values,
+            node_rewards=node_rewards,
+            node_index=node_index,
+            action_mask=mask,
+            next_values=nxt,
+            gamma=config.gamma,
+            lam_policy=config.lam_policy,
+            lam_value=config.lam_value,
+            length_adaptive_alpha=config.length_adaptive_alpha,
+        )
+        if config.advantage_granularity == "action_token":
+            out = action_token_gae(**common)
+        else:
+            mode = "last_token" if config.advantage_granularity == "node_last_token" else "mean"
+            out = node_gae(**common, node_value=mode)
+    if config.whiten_advantages:
+        out.advantages = masked_whiten(out.advantages, mask)
+    return out
