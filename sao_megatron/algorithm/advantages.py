@@ -262,7 +262,9 @@ def node_gae(
     adv = torch.where(mask, adv_n.gather(1, safe_idx), 0.0)
     ret = torch.where(mask, ret_n.gather(1, safe_idx), 0.0)
     if node_value == "last_token":
-        value_mask = torch.zeros_like(mask).scatter(1, last, node_mask) & mask
+        t_len = mask.shape[1]
+        spill = torch.where(node_mask, last, t_len)  # absent nodes write to a spill column
+        value_mask = mask.new_zeros(mask.shape[0], t_len + 1).scatter(1, spill, True)[:, :t_len]
     else:
         value_mask = mask
     return AdvantageOutput(
