@@ -1,0 +1,181 @@
+"""Warm-up data: gold (or noisy-gold) demonstrations for any configured environment, the
+tokenizer-training corpus built from them, and their supervised token sequences.
+
+Everything is deterministic by seed: episode seeds and noise draws come from string-seeded
+`random.Random` instances, never from global RNG state.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from sao_megatron.data.episode import EpisodeFormatConfig, EpisodeFormatter, episode_text
+from sao_megatron.data.tokenizer import SentencePieceTokenizer, TokenizerConfig, train_sentencepiece
+from sao_megatron.data.trajectory import TokenSequence
+from sao_megatron.envs.base import Environment, EnvSpec, SupportsGoldAction
+
+
+@dataclass(kw_only=True)
+class DemonstrationConfig:
+    """Which demonstrations to generate.
+
+    Fields:
+        envs: environments to draw from (each an EnvSpec: name + options).
+        num_episodes: episodes per environment (>= 1).
+        seed: base seed; episode seeds derive from it, the env index and the episode index.
+        noise_epsilon: probability of a deliberate legal-but-wrong action per step for
+            environments with `noisy_gold_action` (Hanoi); others always act gold. In [0, 1).
+        train_on_noise: also put the wrong actions under the loss (default False: they are
+            context only, the model learns the recovery that follows them).
+    """
+
+    envs: list[EnvSpec] = field(default_factory=list)
+    num_episodes: int = 100
+    seed: int = 0
+    noise_epsilon: float = 0.0
+    train_on_noise: bool = False
+
+    def __post_init__(self) -> None:
+        self.envs = [e if isinstance(e, EnvSpec) else EnvSpec(**e) for e in self.envs]
+        if not self.envs:
+            raise ValueError("demonstrations.envs is empty: list at least one environment")
+        if not (isinstance(self.num_episodes, int) and self.num_episodes >= 1):
+            raise ValueError(f"demonstrations.num_episodes={self.num_episodes!r}: must be >= 1")
+        if not (0.0 <= self.noise_epsilon < 1.0):
+            raise ValueError(f"demonstrations.noise_epsilon={self.noise_epsilon}: must be in [0, 1)")
+
+
+@dataclass(kw_only=True)
+class Demonstration:
+    """One demonstrated episode as text.
+
+    observations[n] is shown before actions[n] (observations[0] is reset()'s text);
+    is_gold[n] says whether action n was the expert's choice; rewards[n] follows action n.
+    """
+
+    task_id: str
+    env_name: str
+    seed: int
+    observations: list[str]
+    actions: list[str]
+    is_gold: list[bool]
+    rewards: list[float]
+    terminated: bool
+    truncated: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_reward(self) -> float:
+        return float(sum(self.rewards))
+
+    def text(self, config: EpisodeFormatConfig | None = None) -> str:
+        """The full episode text exactly as the agent sees it (episode format, bos omitted)."""
+        return episode_text(self.observations, self.actions, config)
+
+    def to_sft_sequences(
+        self, formatter: EpisodeFormatter, train_on_noise: bool = False
+    ) -> list[TokenSequence]:
+        """Token sequences with an action mask for supervised warm-up (see
+        `EpisodeBuilder.to_sft_sequences`): one sequence in full-history mode, one per trained
+        node in window mode."""
+        builder = formatter.new_episode(self.task_id, self.observations[0])
+        for n, action in enumerate(self.actions):
+            builder.add_action(formatter.action_ids(action), reward=self.rewards[n])
+            if n + 1 < len(self.observations):
+                builder.add_observation(self.observations[n + 1])
+        mask = [g or train_on_noise for g in self.is_gold]
+        return builder.to_sft_sequences(mask)
+
+
+def run_demonstration(
+    env: Environment, seed: int, *, noise_epsilon: float = 0.0, task_id: str | None = None
+) -> Demonstration:
+    """Play one episode of `env` with its gold policy (noisy-gold if noise_epsilon > 0 and the
+    env has `noisy_gold_action(rng, epsilon)`). Raises TypeError if the env has no gold policy."""
+    if not isinstance(env, SupportsGoldAction):
+        raise TypeError(
+            f"environment {env.name!r} has no gold_action(): it cannot produce demonstrations"
+        )
+    noisy = noise_epsilon > 0 and hasattr(env, "noisy_gold_action")
+    rng = random.Random(f"noise:{env.name}:{seed}")
+    observations = [env.reset(seed)]
+    actions: list[str] = []
+    is_gold: list[bool] = []
+    rewards: list[float] = []
+    result = None
+    for _ in range(env.max_steps):
+        if noisy:
+            action, gold = env.noisy_gold_action(rng, noise_epsilon)  # type: ignore[attr-defined]
+        else:
+            action, gold = env.gold_action(), True
+        result = env.step(action)
+        actions.append(action)
+        is_gold.append(gold)
+        rewards.append(result.reward)
+        if result.done or result.truncated:
+            break
+        observations.append(result.observation)
+    assert result is not None, "max_steps >= 1"
+    return Demonstration(
+        task_id=task_id or f"{env.name}:{seed}",
+        env_name=env.name,
+        seed=seed,
+        observations=observations,
+        actions=actions,
+        is_gold=is_gold,
+        rewards=rewards,
+        terminated=result.done,
+        truncated=result.truncated or not result.done,
+        info=dict(result.info),
+    )
+
+
+def episode_seeds(base_seed: int, env_index: int, num_episodes: int) -> list[int]:
+    """Deterministic, distinct-in-practice episode seeds for one environment of a config."""
+    rng = random.Random(f"demo:{base_seed}:{env_index}")
+    return [rng.randrange(2**31) for _ in range(num_episodes)]
+
+
+def generate_demonstrations(config: DemonstrationConfig) -> list[Demonstration]:
+    """`config.num_episodes` demonstrations per environment, in config order (deterministic)."""
+    out = []
+    for j, spec in enumerate(config.envs):
+        env = spec.build()
+        for s in episode_seeds(config.seed, j, config.num_episodes):
+            out.append(
+                run_demonstration(
+                    env, s, noise_epsilon=config.noise_epsilon, task_id=f"{spec.name}:{s}"
+                )
+            )
+    return out
+
+
+def demonstration_sequences(
+    config: DemonstrationConfig, formatter: EpisodeFormatter
+) -> list[TokenSequence]:
+    """All supervised sequences of `generate_demonstrations(config)` for `formatter`."""
+    seqs: list[TokenSequence] = []
+    for demo in generate_demonstrations(config):
+        seqs += demo.to_sft_sequences(formatter, train_on_noise=config.train_on_noise)
+    return seqs
+
+
+def corpus_lines(
+    config: DemonstrationConfig, format_config: EpisodeFormatConfig | None = None
+) -> list[str]:
+    """Tokenizer training corpus: every line of every demonstration's episode text."""
+    lines: list[str] = []
+    for demo in generate_demonstrations(config):
+        lines += demo.text(format_config).split("\n")
+    return lines
+
+
+def train_tokenizer_for_envs(
+    demo_config: DemonstrationConfig,
+    tokenizer_config: TokenizerConfig,
+    format_config: EpisodeFormatConfig | None = None,
+) -> SentencePieceTokenizer:
+    """Train the sentencepiece tokenizer on the demonstrations' episode texts."""
+    return train_sentencepiece(corpus_lines(demo_config, format_config), tokenizer_config)
