@@ -1,0 +1,456 @@
+"""CheckpointManager: round trip, resharded load on 2 gloo ranks, atomicity, keep_last_k,
+corruption and incompatibility detected before any tensor changes, RNG restore.
+
+The model is a real Megatron ColumnParallelLinear -> RowParallelLinear pair whose full weights
+come from a seeded generator, so every rank knows the exact expected values of its shard under
+any TP size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from sao_megatron.trainer import checkpoint as ckpt
+from sao_megatron.trainer.checkpoint import (
+    CheckpointConfig,
+    CheckpointError,
+    CheckpointManager,
+    CommonState,
+)
+
+HIDDEN, FFN = 8, 12
+
+
+# ---------------------------------------------------------------- Megatron test model -------------
+def _full_weights(seed: int, ffn: int = FFN) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "fc1.weight": torch.randn(ffn, HIDDEN, generator=g),
+        "fc1.bias": torch.randn(ffn, generator=g),
+        "fc2.weight": torch.randn(HIDDEN, ffn, generator=g),
+        "fc2.bias": torch.randn(HIDDEN, generator=g),
+    }
+
+
+def _shard(full: dict[str, torch.Tensor], tp_rank: int, tp: int) -> dict[str, torch.Tensor]:
+    """Megatron's TP split: column-parallel fc1 by rows, row-parallel fc2 by columns."""
+    return {
+        "fc1.weight": full["fc1.weight"].chunk(tp, 0)[tp_rank],
+        "fc1.bias": full["fc1.bias"].chunk(tp, 0)[tp_rank],
+        "fc2.weight": full["fc2.weight"].chunk(tp, 1)[tp_rank],
+        "fc2.bias": full["fc2.bias"],
+    }
+
+
+def _build_model(tp: int, seed: int | None, ffn: int = FFN):
+    """A MegatronModule with fc1 (ColumnParallelLinear) and fc2 (RowParallelLinear); weights are
+    the seed's full weights sharded for this TP rank, or NaN when seed is None."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.module import MegatronModule
+
+    cfg = ModelParallelConfig(
+        tensor_model_parallel_size=tp, use_cpu_initialization=True, perform_initialization=False
+    )
+
+    class TinyTP(MegatronModule):
+        def __init__(self) -> None:
+            super().__init__(config=cfg)
+            init = torch.nn.init.zeros_
+            self.fc1 = ColumnParallelLinear(
+                HIDDEN, ffn, config=cfg, init_method=init, bias=True, gather_output=False
+            )
+            self.fc2 = RowParallelLinear(
+                ffn,
+                HIDDEN,
+                config=cfg,
+                init_method=init,
+                bias=True,
+                input_is_parallel=True,
+                skip_bias_add=False,
+            )
+
+    model = TinyTP()
+    if seed is None:
+        values = {
+            k: torch.full_like(v, float("nan"))
+            for k, v in model.state_dict().items()
+            if not k.endswith("_extra_state")
+        }
+    else:
+        values = _shard(_full_weights(seed, ffn), ps.get_tensor_model_parallel_rank(), tp)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(values[name])
+    return model
+
+
+def _init_world(rank: int, world: int, port: int, tp: int) -> None:
+    from megatron.core import parallel_state as ps
+
+    from sao_megatron.platform import enable_cpu_compat
+
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        )
+    enable_cpu_compat()
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A 1-rank gloo world with Megatron model-parallel state (TP=1) for this module's tests."""
+    from megatron.core import parallel_state as ps
+
+    from sao_megatron.platform import disable_cpu_compat
+
+    owned = not dist.is_initialized()
+    _init_world(0, 1, _free_port(), tp=1)
+    yield
+    ps.destroy_model_parallel()
+    disable_cpu_compat()
+    if owned:
+        dist.destroy_process_group()
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _assert_all_nan(model) -> None:
+    for name, p in model.named_parameters():
+        assert torch.isnan(p).all(), f"{name} was modified"
+
+
+@dataclass(kw_only=True)
+class _RunCfg:
+    lr: float = 1e-3
+    name: str = "tiny"
+
+
+def _save(mgr: CheckpointManager, step: int, seed: int = 0, **kw) -> Path:
+    model = _build_model(1, seed)
+    common = CommonState(train_step=step, policy_version=step + 1, data_cursor={"index": step})
+    return mgr.save({"policy": model.sharded_state_dict()}, common, layout={"tp": 1}, **kw)
+
+
+# ---------------------------------------------------------------- config --------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"save_interval": -1}, "checkpoint.save_interval=-1"),
+        ({"keep_last_k": -2}, "checkpoint.keep_last_k=-2"),
+        ({"resume": ""}, "checkpoint.resume=''"),
+        ({"async_save": True}, "checkpoint.async_save=True"),
+        ({"save_dir": ""}, "checkpoint.save_dir=''"),
+    ],
+)
+def test_config_errors_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field.replace("(", r"\(")):
+        CheckpointConfig(**kwargs)
+
+
+def test_should_save_interval():
+    mgr = CheckpointManager(CheckpointConfig(save_interval=3))
+    assert [s for s in range(10) if mgr.should_save(s)] == [3, 6, 9]
+    assert not any(CheckpointManager(CheckpointConfig()).should_save(s) for s in range(10))
+
+
+# ---------------------------------------------------------------- single rank ---------------------
+def test_round_trip_all_parts(one_rank, tmp_path):
+    tok = tmp_path / "tok.model"
+    tok.write_bytes(bytes(range(256)))
+    mgr = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path / "ck"), resume="auto"))
+    policy, value = _build_model(1, seed=1), _build_model(1, seed=2)
+    expected_policy, expected_value = _params(policy), _params(value)
+    buffer = {"trajectories": [torch.arange(5)], "num_admitted": 7}
+    common = CommonState(
+        train_step=12,
+        policy_version=13,
+        data_cursor={"epoch": 1, "index": 40},
+        buffer_state=buffer,
+        extra={"stage": "rl"},
+    )
+    path = mgr.save(
+        {"policy": policy.sharded_state_dict(), "value": value.sharded_state_dict()},
+        common,
+        layout={"tp": 1, "pp": 1, "ep": 1, "dp": 1},
+        run_config=_RunCfg(lr=0.5),
+        tokenizer_files=[tok],
+    )
+    assert path == tmp_path / "ck" / "step_00000012"
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "step_00000012"
+
+    policy2, value2 = _build_model(1, seed=None), _build_model(1, seed=None)
+    resume = mgr.resolve_resume()
+    assert resume == path
+    result = mgr.load(
+        resume, {"policy": policy2.sharded_state_dict(), "value": value2.sharded_state_dict()}
+    )
+    for name, ref in expected_policy.items():
+        torch.testing.assert_close(dict(policy2.named_parameters())[name], ref, rtol=0, atol=0)
+    for name, ref in expected_value.items():
+        torch.testing.assert_close(dict(value2.named_parameters())[name], ref, rtol=0, atol=0)
+    assert result.common.train_step == 12 and result.common.policy_version == 13
+    assert result.common.data_cursor == {"epoch": 1, "index": 40}
+    assert result.common.extra == {"stage": "rl"}
+    assert torch.equal(result.common.buffer_state["trajectories"][0], torch.arange(5))
+    assert result.skipped_parts == {}
+    man = result.manifest
+    assert man["world_size"] == 1 and man["layout"]["tp"] == 1
+    assert man["parts"] == ["policy", "value"]
+    import megatron.core
+
+    assert man["megatron_core_version"] == megatron.core.__version__
+    assert "lr: 0.5" in (path / "config.yaml").read_text()
+    assert (path / "tokenizer" / "tok.model").read_bytes() == bytes(range(256))
+    sizes = {rel: info["size"] for rel, info in man["files"].items()}
+    assert sizes["tokenizer/tok.model"] == 256
+    assert any(rel.startswith("policy/") and rel.endswith(".distcp") for rel in sizes)
+
+
+def test_rng_restore_reproduces_draws(one_rank, tmp_path):
+    mgr = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path)))
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    path = _save(mgr, step=1)
+
+    def draws():
+        return random.random(), np.random.rand(3).tolist(), torch.rand(4).tolist()
+
+    expected = draws()
+    random.seed(99), np.random.seed(99), torch.manual_seed(99)
+    assert draws() != expected
+    result = mgr.load(path, {"policy": _build_model(1, None).sharded_state_dict()})
+    assert result.rng_restored
+    assert draws() == expected
+
+
+def test_keep_last_k_prunes_after_completion(one_rank, tmp_path):
+    mgr = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path), keep_last_k=2))
+    for step in range(1, 5):
+        _save(mgr, step)
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [3, 4]
+    assert ckpt.find_latest(tmp_path) == tmp_path / "step_00000004"
+    keep_all = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path / "all"), keep_last_k=0))
+    for step in range(1, 4):
+        _save(keep_all, step)
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "all")] == [1, 2, 3]
+
+
+def test_crash_before_manifest_keeps_previous_latest(one_rank, tmp_path, monkeypatch):
+    mgr = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path), keep_last_k=1))
+    _save(mgr, step=1, seed=1)
+
+    def crash(*_args, **_kw):
+        raise OSError("disk full (simulated)")
+
+    with monkeypatch.context() as m:  # dies while hashing files, before manifest.json exists
+        m.setattr(ckpt, "_sha256", crash)
+        with pytest.raises(CheckpointError, match="disk full"):
+            _save(mgr, step=2, seed=2)
+    stale = ckpt.stale_tmp_dirs(tmp_path)
+    assert len(stale) == 1 and not (stale[0] / "manifest.json").exists()
+    assert ckpt.find_latest(tmp_path) == tmp_path / "step_00000001"
+    with pytest.warns(UserWarning, match="interrupted save"):
+        resume = mgr.resolve_resume()
+    model = _build_model(1, None)
+    assert mgr.load(resume, {"policy": model.sharded_state_dict()}).common.train_step == 1
+    for name, ref in _params(_build_model(1, seed=1)).items():
+        assert torch.equal(dict(model.named_parameters())[name], ref)
+    with pytest.raises(CheckpointError, match="partial"):
+        ckpt.validate_checkpoint(stale[0])
+    _save(mgr, step=2, seed=2)  # the next complete save removes the leftover and prunes step 1
+    assert ckpt.stale_tmp_dirs(tmp_path) == []
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [2]
+
+
+def test_crash_before_latest_update_then_resave(one_rank, tmp_path, monkeypatch):
+    mgr = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path), keep_last_k=3))
+    _save(mgr, step=1, seed=1)
+    real = ckpt._atomic_write_text
+
+    def crash_on_latest(path, text):
+        if path.name == "latest":
+            raise OSError("killed (simulated)")
+        real(path, text)
+
+    with monkeypatch.context() as m:
+        m.setattr(ckpt, "_atomic_write_text", crash_on_latest)
+        with pytest.raises(CheckpointError, match="killed"):
+            _save(mgr, step=2, seed=2)
+    assert ckpt.find_latest(tmp_path) == tmp_path / "step_00000001"
+    _save(mgr, step=2, seed=3)  # a resumed run re-saves step 2: the old folder is replaced
+    model = _build_model(1, None)
+    mgr.load(tmp_path / "step_00000002", {"policy": model.sharded_state_dict()})
+    for name, ref in _params(_build_model(1, seed=3)).items():
+        assert torch.equal(dict(model.named_parameters())[name], ref)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest",
+        "step_00000001",
+        "step_00000002",
+    ]
+
+
+def _first_distcp(path: Path) -> Path:
+    return sorted((path / "policy").glob("*.distcp"))[0]
+
+
+@pytest.mark.parametrize(
+    "damage", ["truncate", "flip_byte", "delete", "edit_manifest", "no_manifest"]
+)
+def test_corrupted_checkpoint_detected_before_loading(one_rank, tmp_path, damage):
+    mgr = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path)))
+    path = _save(mgr, step=3)
+    shard = _first_distcp(path)
+    manifest = path / "manifest.json"
+    if damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[:-10])
+        expected = f"corrupted: policy/{shard.name}: size"
+    elif damage == "flip_byte":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        expected = f"corrupted: policy/{shard.name}: sha256"
+    elif damage == "delete":
+        shard.unlink()
+        expected = f"corrupted: policy/{shard.name}: missing"
+    elif damage == "edit_manifest":
+        man = json.loads(manifest.read_text())
+        man["files"]["common/state.pt"]["size"] += 1
+        manifest.write_text(json.dumps(man))
+        expected = "corrupted: common/state.pt: size"
+    else:
+        manifest.unlink()
+        expected = "partial: manifest.json is missing"
+    model = _build_model(1, None)
+    with pytest.raises(CheckpointError, match=expected) as info:
+        mgr.load(path, {"policy": model.sharded_state_dict()})
+    assert str(path) in str(info.value) and "resume" in str(info.value)  # path and the fix
+    _assert_all_nan(model)
+
+
+def test_bad_pointers_and_paths(one_rank, tmp_path):
+    (tmp_path / "latest").write_text("step_00000007\n")
+    mgr = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path)))
+    with pytest.raises(CheckpointError, match="names 'step_00000007'"):
+        mgr.resolve_resume()
+    missing = CheckpointManager(CheckpointConfig(resume=str(tmp_path / "nope")))
+    with pytest.raises(CheckpointError, match="checkpoint.resume=.*nope"):
+        missing.resolve_resume()
+    assert (
+        CheckpointManager(CheckpointConfig(save_dir=str(tmp_path / "empty"))).resolve_resume()
+        is None
+    )
+    assert CheckpointManager(CheckpointConfig(resume="none")).resolve_resume() is None
+    with pytest.raises(CheckpointError, match="does not exist"):
+        mgr.load(tmp_path / "step_00000009", {})
+
+
+def test_incompatible_part_never_half_loads(one_rank, tmp_path):
+    mgr = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path)))
+    policy, value = _build_model(1, seed=1), _build_model(1, seed=2)
+    path = mgr.save(
+        {"policy": policy.sharded_state_dict(), "value": value.sharded_state_dict()},
+        CommonState(train_step=1),
+    )
+    policy2, wide_value = _build_model(1, None), _build_model(1, None, ffn=16)
+    parts = {"policy": policy2.sharded_state_dict(), "value": wide_value.sharded_state_dict()}
+    with pytest.raises(
+        CheckpointError,
+        match=r"part 'value'.*fc1.weight' global shape \[12, 8\] "
+        r"!= requested \[16, 8\].*Nothing was loaded",
+    ):
+        mgr.load(path, parts)
+    _assert_all_nan(policy2)
+    with pytest.raises(CheckpointError, match=r"no part\(s\) \['optimizer'\]"):
+        mgr.load(path, {"policy": policy2.sharded_state_dict(), "optimizer": {}})
+    _assert_all_nan(policy2)
+    parts = {"policy": policy2.sharded_state_dict(), "value": wide_value.sharded_state_dict()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = mgr.load(path, parts, optional_parts=["value"])
+    assert list(result.skipped_parts) == ["value"]
+    assert any("not loading part 'value'" in str(w.message) for w in caught)
+    for name, ref in _params(policy).items():
+        assert torch.equal(dict(policy2.named_parameters())[name], ref)
+    _assert_all_nan(wide_value)
+
+
+# ---------------------------------------------------------------- two ranks -----------------------
+def _two_rank_worker(rank: int, port: int, root: str, errors) -> None:
+    try:
+        from megatron.core import parallel_state as ps
+
+        mgr = CheckpointManager(CheckpointConfig(save_dir=root))
+        _init_world(rank, 2, port, tp=2)  # save with TP=2
+        model = _build_model(2, seed=7)
+        torch.manual_seed(100 + rank)
+        mgr.save(
+            {"policy": model.sharded_state_dict()},
+            CommonState(train_step=5),
+            layout={"tp": 2, "dp": 1},
+        )
+        after_save = torch.rand(3)
+        _init_world(rank, 2, port, tp=1)  # load with TP=1, DP=2: every rank holds full weights
+        full = _build_model(1, None)
+        torch.manual_seed(0)
+        result = mgr.load(mgr.resolve_resume(), {"policy": full.sharded_state_dict()})
+        for name, ref in _full_weights(7).items():
+            torch.testing.assert_close(dict(full.named_parameters())[name], ref, rtol=0, atol=0)
+        assert result.rng_restored and torch.equal(torch.rand(3), after_save)  # per-rank RNG
+        assert result.manifest["layout"] == {"tp": 2, "dp": 1}
+        mgr.save({"policy": full.sharded_state_dict()}, CommonState(train_step=6))
+        _init_world(rank, 2, port, tp=2)  # and back: TP=1 (DP=2) checkpoint -> TP=2 shards
+        shard = _build_model(2, None)
+        mgr.load(mgr.resolve_resume(), {"policy": shard.sharded_state_dict()})
+        for name, ref in _shard(_full_weights(7), ps.get_tensor_model_parallel_rank(), 2).items():
+            torch.testing.assert_close(dict(shard.named_parameters())[name], ref, rtol=0, atol=0)
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+    except BaseException as exc:  # report to the parent, which fails the test
+        errors.put(f"rank {rank}: {type(exc).__name__}: {exc}")
+        raise
+
+
+@pytest.mark.distributed
+def test_two_ranks_resharded_load(tmp_path):
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_two_rank_worker, args=(r, port, str(tmp_path), errors)) for r in (0, 1)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    messages = []
+    while not errors.empty():
+        messages.append(errors.get())
+    assert not alive, f"ranks hung: {messages}"
+    assert not messages and all(p.exitcode == 0 for p in procs), messages
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step_00000005", "step_00000006"]
