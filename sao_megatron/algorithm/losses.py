@@ -18,6 +18,12 @@ from .config import AlgorithmConfig
 from .importance import _MAX_LOG_RATIO, dis_band_weights, importance_weights
 
 
+def _zero_off(mask: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
+    """Replace off-mask entries by 0 so padding garbage (NaN/inf) cannot reach values or grads."""
+    m = mask.to(torch.bool)
+    return [torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device)) for x in xs]
+
+
 def aggregate(
     per_token: torch.Tensor,
     action_mask: torch.Tensor,
@@ -68,7 +74,8 @@ def policy_gradient_loss(
     logprobs [B, T] (with grad), advantages [B, T] (treated as constants), weights [B, T]
     (detached here). With token_mean the gradient w.r.t. l_theta_t is -m_t w_t A_t / N.
     """
-    per_token = -(weights.detach() * advantages.detach()) * logprobs
+    logprobs, coef = _zero_off(action_mask, logprobs, weights.detach() * advantages.detach())
+    per_token = -coef * logprobs
     return aggregate(
         per_token, action_mask, mode, num_tokens=num_tokens, num_sequences=num_sequences
     )
@@ -128,14 +135,15 @@ def ppo_clip_loss(
     (arXiv 1912.09729) eq. 5; asymmetric clip-higher: DAPO (arXiv 2503.14476).
     Shapes: all [B, T]; old_logprobs and advantages are treated as constants.
     """
-    lr = (logprobs - old_logprobs.detach()).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    rho = torch.exp(lr)
-    adv = advantages.detach()
+    logprobs, old, adv = _zero_off(
+        action_mask, logprobs, old_logprobs.detach(), advantages.detach()
+    )
+    rho = torch.exp((logprobs - old).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
     per_token = torch.maximum(-adv * rho, -adv * rho.clamp(1.0 - clip_low, 1.0 + clip_high))
     if dual_clip is not None:
         per_token = torch.where(adv < 0, torch.minimum(per_token, -dual_clip * adv), per_token)
     if weights is not None:
-        per_token = per_token * weights.detach()
+        per_token = per_token * _zero_off(action_mask, weights.detach())[0]
     return aggregate(
         per_token, action_mask, mode, num_tokens=num_tokens, num_sequences=num_sequences
     )
@@ -158,12 +166,11 @@ def value_loss(
     node positions, from AdvantageOutput.value_mask); num_tokens counts that mask globally.
     Source: PPO2 value clipping (OpenAI baselines, Dhariwal et al. 2017); DESIGN.md section 3.
     """
-    ret = returns.detach()
+    values, old, ret = _zero_off(value_mask, values, old_values.detach(), returns.detach())
     unclipped = (values - ret) ** 2
     if clip is None:
         per_token = 0.5 * unclipped
     else:
-        old = old_values.detach()
         clipped = old + (values - old).clamp(-clip, clip)
         per_token = 0.5 * torch.maximum(unclipped, (clipped - ret) ** 2)
     return aggregate(
@@ -190,6 +197,7 @@ def entropy_loss(
     num_sequences: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Entropy bonus as a loss term: -coef * aggregate(H_t). entropy [B, T] float (with grad)."""
+    (entropy,) = _zero_off(action_mask, entropy)
     return -coef * aggregate(
         entropy, action_mask, mode, num_tokens=num_tokens, num_sequences=num_sequences
     )

@@ -67,8 +67,15 @@ def random_batch(seed: int, batch: int = 12, max_nodes: int = 6, max_len: int = 
     truncated = torch.rand(batch, generator=g) < 0.5
     truncated[2] = True
     bootstrap = torch.randn(batch, generator=g, dtype=torch.float64)
-    return Batch(mask, node_index, node_rewards, values, truncated, bootstrap,
-                 [len(nodes) for nodes, _ in rows])
+    return Batch(
+        mask,
+        node_index,
+        node_rewards,
+        values,
+        truncated,
+        bootstrap,
+        [len(nodes) for nodes, _ in rows],
+    )
 
 
 def random_logprobs(mask: torch.Tensor, seed: int, spread: float = 0.3):

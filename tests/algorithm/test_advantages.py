@@ -66,8 +66,10 @@ def ref_node_gae(bt, gamma, lam_pi, lam_v, bootstrap, mode, alpha=None):
     vmask = torch.zeros(bsz, t_len, dtype=torch.bool)
     for b in range(bsz):
         k = bt.num_nodes[b]
-        toks = [[t for t in range(t_len) if bt.action_mask[b, t] and bt.node_index[b, t] == n]
-                for n in range(k)]
+        toks = [
+            [t for t in range(t_len) if bt.action_mask[b, t] and bt.node_index[b, t] == n]
+            for n in range(k)
+        ]
         if mode == "last_token":
             vn = [float(bt.values[b, ts[-1]]) for ts in toks]
             for ts in toks:
@@ -141,9 +143,15 @@ def test_action_token_gae_matches_reference(seed, bootstrap, alpha):
     bt = random_batch(seed)
     gamma, lam_pi, lam_v = 0.97, 0.9, 1.0
     out = action_token_gae(
-        values=bt.values, node_rewards=bt.node_rewards, node_index=bt.node_index,
-        action_mask=bt.action_mask, next_values=next_values(bt, bootstrap), gamma=gamma,
-        lam_policy=lam_pi, lam_value=lam_v, length_adaptive_alpha=alpha,
+        values=bt.values,
+        node_rewards=bt.node_rewards,
+        node_index=bt.node_index,
+        action_mask=bt.action_mask,
+        next_values=next_values(bt, bootstrap),
+        gamma=gamma,
+        lam_policy=lam_pi,
+        lam_value=lam_v,
+        length_adaptive_alpha=alpha,
     )
     adv, ret = ref_token_gae(bt, gamma, lam_pi, lam_v, bootstrap, alpha)
     torch.testing.assert_close(out.advantages, adv, rtol=1e-10, atol=1e-10)
@@ -159,9 +167,16 @@ def test_gae_hand_case_observation_in_middle_and_end():
     values = torch.tensor([[9.0, 0.5, 0.25, 9.0, 9.0, 1.0, 9.0]], dtype=torch.float64)
     rewards = torch.tensor([[1.0, 2.0]], dtype=torch.float64)
     g, lam, boot = 0.5, 0.5, 4.0
-    out = action_token_gae(values=values, node_rewards=rewards, node_index=node_index,
-                           action_mask=mask, next_values=torch.tensor([boot]), gamma=g,
-                           lam_policy=lam, lam_value=1.0)
+    out = action_token_gae(
+        values=values,
+        node_rewards=rewards,
+        node_index=node_index,
+        action_mask=mask,
+        next_values=torch.tensor([boot]),
+        gamma=g,
+        lam_policy=lam,
+        lam_value=1.0,
+    )
     d2 = 2.0 + g * boot - 1.0  # last action token: reward 2, bootstrap 4
     d1 = 1.0 + g * 1.0 - 0.25  # a0's last token carries reward 1, V_next skips the obs block
     d0 = 0.0 + g * 0.25 - 0.5
@@ -178,9 +193,16 @@ def test_node_gae_matches_reference(seed, mode, bootstrap):
     bt = random_batch(seed + 10)
     alpha = 0.5 if seed % 2 else None
     out = node_gae(
-        values=bt.values, node_rewards=bt.node_rewards, node_index=bt.node_index,
-        action_mask=bt.action_mask, next_values=next_values(bt, bootstrap), gamma=0.9,
-        lam_policy=0.8, lam_value=1.0, node_value=mode, length_adaptive_alpha=alpha,
+        values=bt.values,
+        node_rewards=bt.node_rewards,
+        node_index=bt.node_index,
+        action_mask=bt.action_mask,
+        next_values=next_values(bt, bootstrap),
+        gamma=0.9,
+        lam_policy=0.8,
+        lam_value=1.0,
+        node_value=mode,
+        length_adaptive_alpha=alpha,
     )
     adv, ret, vmask = ref_node_gae(bt, 0.9, 0.8, 1.0, bootstrap, mode, alpha)
     torch.testing.assert_close(out.advantages, adv, rtol=1e-10, atol=1e-10)
@@ -210,18 +232,39 @@ def test_reward_on_node_without_action_tokens_raises():
 
 def test_gae_from_trajectory_contract():
     """A Trajectory flattened by the data contract feeds the GAE directly."""
-    traj = Trajectory(task_id="t", truncated=False, nodes=[
-        ActionNode(observation_token_ids=[5, 6], action_token_ids=[7, 8],
-                   behaviour_logprobs=[-0.1, -0.2], policy_versions=[0, 0], reward=0.5),
-        ActionNode(observation_token_ids=[9], action_token_ids=[10],
-                   behaviour_logprobs=[-0.3], policy_versions=[1], reward=1.0),
-    ])
+    traj = Trajectory(
+        task_id="t",
+        truncated=False,
+        nodes=[
+            ActionNode(
+                observation_token_ids=[5, 6],
+                action_token_ids=[7, 8],
+                behaviour_logprobs=[-0.1, -0.2],
+                policy_versions=[0, 0],
+                reward=0.5,
+            ),
+            ActionNode(
+                observation_token_ids=[9],
+                action_token_ids=[10],
+                behaviour_logprobs=[-0.3],
+                policy_versions=[1],
+                reward=1.0,
+            ),
+        ],
+    )
     seq = traj.to_token_sequence()
     rewards = torch.tensor([[n.reward for n in traj.nodes]], dtype=torch.float64)
     values = torch.zeros(1, len(seq), dtype=torch.float64)
-    out = action_token_gae(values=values, node_rewards=rewards, node_index=seq.node_index[None],
-                           action_mask=seq.action_mask[None], next_values=torch.zeros(1),
-                           gamma=1.0, lam_policy=1.0, lam_value=1.0)
+    out = action_token_gae(
+        values=values,
+        node_rewards=rewards,
+        node_index=seq.node_index[None],
+        action_mask=seq.action_mask[None],
+        next_values=torch.zeros(1),
+        gamma=1.0,
+        lam_policy=1.0,
+        lam_value=1.0,
+    )
     # with V = 0, gamma = lambda = 1 the advantage is the reward-to-go over action tokens
     assert out.advantages[0].tolist() == [0, 0, 1.5, 1.5, 0, 1.0]
 
@@ -257,8 +300,9 @@ def test_grpo_matches_reference_including_singleton_and_constant_groups(std_norm
 def test_masked_whiten_matches_reference():
     bt = random_batch(5)
     x = bt.values
-    vals = [float(x[b, t]) for b in range(x.shape[0]) for t in range(x.shape[1])
-            if bt.action_mask[b, t]]
+    vals = [
+        float(x[b, t]) for b in range(x.shape[0]) for t in range(x.shape[1]) if bt.action_mask[b, t]
+    ]
     mean = sum(vals) / len(vals)
     std = math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals) + 1e-8)
     ref = torch.where(bt.action_mask, (x - mean) / std, 0.0)
@@ -273,9 +317,15 @@ def test_masked_whiten_matches_reference():
 def test_compute_advantages_dispatch(granularity):
     bt = random_batch(7)
     cfg = AlgorithmConfig(advantage_granularity=granularity, gamma=0.95, lam_policy=0.9)
-    out = compute_advantages(cfg, node_rewards=bt.node_rewards, node_index=bt.node_index,
-                             action_mask=bt.action_mask, values=bt.values,
-                             truncated=bt.truncated, bootstrap_values=bt.bootstrap_values)
+    out = compute_advantages(
+        cfg,
+        node_rewards=bt.node_rewards,
+        node_index=bt.node_index,
+        action_mask=bt.action_mask,
+        values=bt.values,
+        truncated=bt.truncated,
+        bootstrap_values=bt.bootstrap_values,
+    )
     if granularity == "action_token":
         ref, _ = ref_token_gae(bt, 0.95, 0.9, 1.0, True)
     else:
@@ -283,25 +333,43 @@ def test_compute_advantages_dispatch(granularity):
         ref, _, _ = ref_node_gae(bt, 0.95, 0.9, 1.0, True, mode)
     torch.testing.assert_close(out.advantages, ref)
     white = compute_advantages(
-        AlgorithmConfig(advantage_granularity=granularity, gamma=0.95, lam_policy=0.9,
-                        whiten_advantages=True),
-        node_rewards=bt.node_rewards, node_index=bt.node_index, action_mask=bt.action_mask,
-        values=bt.values, truncated=bt.truncated, bootstrap_values=bt.bootstrap_values)
+        AlgorithmConfig(
+            advantage_granularity=granularity, gamma=0.95, lam_policy=0.9, whiten_advantages=True
+        ),
+        node_rewards=bt.node_rewards,
+        node_index=bt.node_index,
+        action_mask=bt.action_mask,
+        values=bt.values,
+        truncated=bt.truncated,
+        bootstrap_values=bt.bootstrap_values,
+    )
     torch.testing.assert_close(white.advantages, masked_whiten(ref, bt.action_mask))
 
 
 def test_compute_advantages_grpo_broadcasts_to_action_tokens():
     bt = random_batch(8, batch=8)
     groups = torch.tensor([0, 0, 1, 1, 1, 2, 3, 3])
-    out = compute_advantages(AlgorithmConfig(name="grpo"), node_rewards=bt.node_rewards,
-                             node_index=bt.node_index, action_mask=bt.action_mask,
-                             group_ids=groups)
+    out = compute_advantages(
+        AlgorithmConfig(name="grpo"),
+        node_rewards=bt.node_rewards,
+        node_index=bt.node_index,
+        action_mask=bt.action_mask,
+        group_ids=groups,
+    )
     per_row = ref_grpo(bt.node_rewards.sum(1).tolist(), groups.tolist(), True, 1e-6)
     torch.testing.assert_close(out.advantages, torch.where(bt.action_mask, per_row[:, None], 0.0))
     assert out.returns is None
     with pytest.raises(ValueError, match="group_ids"):
-        compute_advantages(AlgorithmConfig(name="grpo"), node_rewards=bt.node_rewards,
-                           node_index=bt.node_index, action_mask=bt.action_mask)
+        compute_advantages(
+            AlgorithmConfig(name="grpo"),
+            node_rewards=bt.node_rewards,
+            node_index=bt.node_index,
+            action_mask=bt.action_mask,
+        )
     with pytest.raises(ValueError, match="values"):
-        compute_advantages(AlgorithmConfig(), node_rewards=bt.node_rewards,
-                           node_index=bt.node_index, action_mask=bt.action_mask)
+        compute_advantages(
+            AlgorithmConfig(),
+            node_rewards=bt.node_rewards,
+            node_index=bt.node_index,
+            action_mask=bt.action_mask,
+        )
