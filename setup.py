@@ -18,6 +18,7 @@ INSTALL_REQUIRES = [
     "tensorboard>=2.16",
     "matplotlib>=3.8",
     "requests>=2.31",
+    "minigrid>=3.0,<3.3",  # BabyAI levels + expert bot (sao_megatron/envs/babyai.py), offline
 ]
 
 EXTRAS = {

@@ -5,6 +5,8 @@ Importing this package registers the built-ins: "hanoi", "chain_sum", "basic_ari
 ``make_env(name, **options)`` or ``EnvSpec(name=..., options={...}).build()``.
 """
 
+import importlib.util
+
 from sao_megatron.envs import hanoi, reasoning_gym_tasks  # noqa: F401  (registers built-ins)
 from sao_megatron.envs.base import (
     Environment,
@@ -15,6 +17,9 @@ from sao_megatron.envs.base import (
     register_env,
     registered_envs,
 )
+
+if importlib.util.find_spec("minigrid") is not None:  # optional dependency
+    from sao_megatron.envs import babyai  # noqa: F401
 
 __all__ = [
     "EnvSpec",
