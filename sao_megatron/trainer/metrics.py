@@ -1,0 +1,332 @@
+"""Per-step metrics: JSONL + TensorBoard (+ W&B) files, a tqdm progress bar, phase timers, memory.
+
+One `MetricsLogger` per process; only the logging rank (``is_logging_rank=True``: rank 0 of the
+last pipeline stage, where losses live) writes anything. Each logged step is one JSON object per
+line in ``<run_dir>/metrics.jsonl`` (flushed per line, so a crash loses at most the current
+step), the same scalars in TensorBoard under ``<run_dir>/tensorboard``, and in W&B when enabled and
+installed. Non-finite values are written as JSON ``null`` with a warning naming the key.
+
+Metric names are ``group/name`` (TensorBoard groups by the prefix); the controller's standard
+names are listed in `STANDARD_METRICS` (units in the comments) and are what
+``tools/plot_metrics.py`` and the progress bar look for.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+
+#: Standard metric names written by the controller (unit after the colon).
+STANDARD_METRICS: dict[str, str] = {
+    "reward/mean": "mean episode return of the trained trajectories",
+    "reward/success_rate": "fraction of episodes solved, 0..1",
+    "episode/length_mean": "mean number of action nodes per episode",
+    "loss/policy": "policy (DIS or PPO-clip) loss",
+    "loss/value": "clipped value loss",
+    "value/explained_variance": "1 - Var(R - V) / Var(R)",
+    "deviation/abs_one_minus_ratio_mean": "mean |1 - r_t| over action tokens (target < 0.05)",
+    "deviation/mismatch_kl": "E[l_b - l_theta], nats/token",
+    "deviation/k3": "k3 KL estimator, nats/token",
+    "deviation/ess": "normalised effective sample size, 0..1",
+    "deviation/dropped_fraction": "fraction of action tokens dropped by the DIS band",
+    "deviation/version_lag_mean": "train_version - token policy_version, mean (versions)",
+    "deviation/version_lag_max": "same, max (versions)",
+    "grad_norm/policy": "global grad norm before clipping",
+    "grad_norm/value": "global grad norm before clipping",
+    "lr/policy": "learning rate",
+    "lr/value": "learning rate",
+    "throughput/rollout_trajectories_per_s": "trajectories/s finished by the rollout engine",
+    "throughput/rollout_tokens_per_s": "generated tokens/s",
+    "throughput/train_tokens_per_s": "trained tokens/s",
+    "throughput/steps_per_s": "train steps/s (added by MetricsLogger)",
+    "rollout/worker_utilization": "busy fraction of rollout workers, 0..1",
+    "time/rollout": "s per step waiting for trajectories",
+    "time/value": "s per step in value forward + updates",
+    "time/policy": "s per step in the policy update",
+    "time/sync": "s per step publishing weights",
+    "time/checkpoint": "s per step saving checkpoints",
+    "memory/peak_rss_gib": "peak resident host memory, GiB",
+    "memory/peak_gpu_gib": "peak torch.cuda allocated memory, GiB",
+}
+
+#: Progress-bar label -> metric key.
+PROGRESS_KEYS: dict[str, str] = {
+    "reward": "reward/mean",
+    "success": "reward/success_rate",
+    "dev": "deviation/abs_one_minus_ratio_mean",
+}
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """Where and how metrics are written.
+
+    Fields:
+        run_dir: folder for metrics.jsonl and tensorboard/ (created).
+        tensorboard: write TensorBoard event files.
+        wandb: also log to Weights & Biases (needs ``pip install wandb``; a warning otherwise).
+        wandb_project: W&B project name.
+        log_interval: write every this many steps (>= 1); `MetricsLogger.log(force=True)`
+            always writes.
+        console: show a tqdm progress bar on the logging rank.
+    """
+
+    run_dir: str = "runs/default"
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "sao_megatron"
+    log_interval: int = 1
+    console: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.run_dir, str) or not self.run_dir:
+            raise ValueError(f"logging.run_dir={self.run_dir!r}: must be a non-empty path")
+        if self.log_interval < 1:
+            raise ValueError(f"logging.log_interval={self.log_interval}: must be >= 1")
+
+
+def _to_scalar(key: str, value: Any) -> float | int | str | bool | None:
+    """A JSON-able scalar; one-element tensors/numpy arrays become Python numbers."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise TypeError(f"metric '{key}': expected a scalar, got shape {tuple(value.shape)}")
+        return value.item()
+    if hasattr(value, "item") and getattr(value, "size", None) == 1:  # numpy scalar / array
+        return value.item()
+    raise TypeError(f"metric '{key}': expected a scalar number or str, got {type(value).__name__}")
+
+
+class MetricsLogger:
+    """Writes per-step metrics (see module docstring). Use as a context manager or call close().
+
+    Args:
+        config: the logging config.
+        is_logging_rank: True on exactly one rank (rank 0 of the last PP stage); all others
+            no-op.
+        total_steps: number of train steps, for the progress bar (None = unknown).
+        initial_step: first step number (a resumed run starts the bar there).
+    """
+
+    def __init__(
+        self,
+        config: LoggingConfig,
+        *,
+        is_logging_rank: bool,
+        total_steps: int | None = None,
+        initial_step: int = 0,
+    ) -> None:
+        self.config = config
+        self.enabled = is_logging_rank
+        self.run_dir = Path(config.run_dir)
+        self._file = None
+        self._tb = None
+        self._wandb = None
+        self._bar = None
+        self._warned: set[str] = set()
+        self._last: tuple[int, float] | None = None
+        if not self.enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.run_dir / METRICS_FILE, "a", buffering=1)  # line buffered
+        if config.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR))
+        if config.wandb:
+            try:
+                import wandb
+            except ImportError:
+                warnings.warn(
+                    "logging.wandb=True but wandb is not installed: W&B logging is off "
+                    "(pip install wandb, or set logging.wandb=false)",
+                    stacklevel=2,
+                )
+            else:
+                self._wandb = wandb.init(project=config.wandb_project, dir=str(self.run_dir))
+        if config.console:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(
+                total=total_steps,
+                initial=initial_step,
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
+            )
+
+    def log(self, step: int, metrics: Mapping[str, Any], *, force: bool = False) -> None:
+        """Record one train step's metrics.
+
+        Args:
+            step: train step (x axis everywhere).
+            metrics: name -> scalar (float/int/bool/str or 1-element tensor/array).
+        Adds ``throughput/steps_per_s`` (from the previous logged step) and ``time/unix``.
+
+        Raises:
+            TypeError: a value that is not a scalar, naming the key.
+        """
+        if not self.enabled:
+            return
+        now = time.time()
+        record: dict[str, Any] = {"step": int(step)}
+        for key, value in metrics.items():
+            record[key] = _to_scalar(key, value)
+        if self._last is not None and step > self._last[0] and now > self._last[1]:
+            record.setdefault(
+                "throughput/steps_per_s", (step - self._last[0]) / (now - self._last[1])
+            )
+        self._last = (int(step), now)
+        record["time/unix"] = now
+        self._update_bar(step, record)
+        if not force and step % self.config.log_interval != 0:
+            return
+        for key, value in record.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                record[key] = None
+                if key not in self._warned:
+                    self._warned.add(key)
+                    warnings.warn(
+                        f"metric '{key}' is {value} at step {step}; written as null "
+                        "(warned once per key)",
+                        stacklevel=2,
+                    )
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        numeric = {
+            k: v
+            for k, v in record.items()
+            if k not in ("step", "time/unix") and isinstance(v, (int, float)) and v is not None
+        }
+        if self._tb is not None:
+            for key, value in numeric.items():
+                self._tb.add_scalar(key, float(value), global_step=int(step))
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(numeric, step=int(step))
+
+    def _update_bar(self, step: int, record: Mapping[str, Any]) -> None:
+        if self._bar is None:
+            return
+        self._bar.update(max(int(step) - self._bar.n, 0))
+        post = {}
+        for label, key in PROGRESS_KEYS.items():
+            value = record.get(key)
+            if isinstance(value, (int, float)) and value is not None:
+                post[label] = f"{value:.3g}"
+        if "throughput/steps_per_s" in record:
+            post["step/s"] = f"{record['throughput/steps_per_s']:.3g}"
+        self._bar.set_postfix(post, refresh=True)
+
+    def write(self, message: str) -> None:
+        """Print a line on the logging rank without breaking the progress bar."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(message)
+        else:
+            print(message, flush=True)
+
+    def close(self) -> None:
+        """Flush and close every sink (idempotent)."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of ``<run_dir>/metrics.jsonl`` (or of the file itself), in file order; a
+    truncated last line (crash mid-write) is skipped. Raises FileNotFoundError naming the path."""
+    path = Path(run_dir)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no metrics file (was the run started with this run_dir?)")
+    records = []
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise
+    return records
+
+
+class Timer:
+    """Wall-clock seconds per phase, accumulated until `summary()`.
+
+    ``with timer.phase("rollout"): ...`` adds the elapsed time to ``time/rollout``. With
+    ``cuda_sync=True`` (and CUDA present) the device is synchronised at both ends so GPU work is
+    counted in the phase that launched it.
+    """
+
+    def __init__(self, *, cuda_sync: bool = False) -> None:
+        self.cuda_sync = cuda_sync and torch.cuda.is_available()
+        self._totals: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the body of the with-block under ``time/<name>`` (seconds)."""
+        if self.cuda_sync:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.cuda_sync:
+                torch.cuda.synchronize()
+            self._totals[f"time/{name}"] += time.perf_counter() - start
+
+    def summary(self, reset: bool = True) -> dict[str, float]:
+        """``{"time/<phase>": seconds}`` since the last reset."""
+        out = dict(self._totals)
+        if reset:
+            self._totals.clear()
+        return out
+
+
+def peak_memory_gib() -> dict[str, float]:
+    """Peak host RSS of this process and (with CUDA) peak torch-allocated GPU memory, in GiB.
+
+    Host: ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` (KiB on Linux, bytes on macOS).
+    GPU: ``torch.cuda.max_memory_allocated()`` of the current device.
+    """
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss_bytes = rss if sys.platform == "darwin" else rss * 1024
+    out = {"memory/peak_rss_gib": rss_bytes / 2**30}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["memory/peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
