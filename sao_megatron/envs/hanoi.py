@@ -261,7 +261,7 @@ class HanoiEnv:
     def parse_action(self, action: str) -> Move | None:
         """The move named by `action` in the strict 'X->Y' format, or None if malformed."""
         m = self._move_re.fullmatch(action)
-        if m is None:
+        if m is None or m.group(1) == m.group(2):
             return None
         return (self._labels.index(m.group(1)), self._labels.index(m.group(2)))
 

@@ -1,0 +1,33 @@
+import io
+from contextlib import redirect_stdout
+
+from sao_megatron.data.demonstrations import run_demonstration
+from sao_megatron.envs import make_env
+from sao_megatron.envs.__main__ import main
+
+
+def _run(argv):
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        rc = main(argv)
+    return rc, buf.getvalue()
+
+
+def test_show_prints_the_episode_as_the_agent_sees_it():
+    for name, extra in [("hanoi", ["--horizon", "6"]), ("chain_sum", []), ("basic_arithmetic", []),
+                        ("babyai", [])]:
+        rc, out = _run(["show", name, "--seed", "3", *extra])
+        assert rc == 0
+        env = make_env(name, **({"horizon": 6} if extra else {}))
+        demo = run_demonstration(env, 3)
+        assert out.startswith(demo.text() + "\n")
+        assert "total reward 1.0" in out
+
+
+def test_show_noisy_and_list_and_errors(capsys):
+    rc, out = _run(["show", "hanoi", "--horizon", "20", "--epsilon", "0.5", "--seed", "1"])
+    assert rc == 0 and "deliberate mistakes" in out and "(0 deliberate" not in out
+    rc, out = _run(["list"])
+    assert rc == 0 and "hanoi" in out.split()
+    rc = main(["show", "hanoi", "--option", "horizn=3"])
+    assert rc == 2 and "unknown option" in capsys.readouterr().err
