@@ -18,6 +18,7 @@ INSTALL_REQUIRES = [
     "tensorboard>=2.16",
     "matplotlib>=3.8",
     "requests>=2.31",
+    "httpx>=0.27,<1",  # rollout: async HTTP client of the vLLM engines
     "minigrid>=3.0,<3.3",  # BabyAI levels + expert bot (sao_megatron/envs/babyai.py), offline
 ]
 
