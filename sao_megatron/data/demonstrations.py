@@ -44,7 +44,9 @@ class DemonstrationConfig:
         if not (isinstance(self.num_episodes, int) and self.num_episodes >= 1):
             raise ValueError(f"demonstrations.num_episodes={self.num_episodes!r}: must be >= 1")
         if not (0.0 <= self.noise_epsilon < 1.0):
-            raise ValueError(f"demonstrations.noise_epsilon={self.noise_epsilon}: must be in [0, 1)")
+            raise ValueError(
+                f"demonstrations.noise_epsilon={self.noise_epsilon}: must be in [0, 1)"
+            )
 
 
 @dataclass(kw_only=True)

@@ -145,13 +145,19 @@ class EpisodeFormatter:
             return True
         return self.tokenizer.decode(action_ids).endswith(self.config.action_end)
 
-    def context_ids(self, observation_ids: list[list[int]], action_ids: list[list[int]]) -> list[int]:
+    def context_ids(
+        self, observation_ids: list[list[int]], action_ids: list[list[int]]
+    ) -> list[int]:
         """The prompt for the next action: `observation_ids[0..n]` (prompt first) interleaved with
         `action_ids[0..n-1]`, where n = len(action_ids); windowed per `config.context_mode`."""
         n = len(action_ids)
         if len(observation_ids) != n + 1:
-            raise ValueError(f"need {n + 1} observations before action {n}, got {len(observation_ids)}")
-        first = 0 if self.config.context_mode == "full_history" else max(0, n - self.config.window_size)
+            raise ValueError(
+                f"need {n + 1} observations before action {n}, got {len(observation_ids)}"
+            )
+        first = (
+            0 if self.config.context_mode == "full_history" else max(0, n - self.config.window_size)
+        )
         out = list(observation_ids[0])
         for j in range(first, n):
             out += action_ids[j]
@@ -274,7 +280,11 @@ class EpisodeBuilder:
         for n in range(num):
             if mask[n]:
                 ctx, a = self.contexts[n], self.action_ids[n]
-                out.append(_sequence(ctx + a, [False] * len(ctx) + [True] * len(a), [n] * (len(ctx) + len(a))))
+                out.append(
+                    _sequence(
+                        ctx + a, [False] * len(ctx) + [True] * len(a), [n] * (len(ctx) + len(a))
+                    )
+                )
         return out
 
 

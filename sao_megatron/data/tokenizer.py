@@ -60,7 +60,9 @@ class TokenizerConfig:
         if self.kind not in ("sentencepiece", "hf"):
             raise ValueError(f"tokenizer.kind={self.kind!r}: use 'sentencepiece' or 'hf'")
         if self.kind == "hf" and not self.path:
-            raise ValueError("tokenizer.path is required when tokenizer.kind='hf' (an HF directory)")
+            raise ValueError(
+                "tokenizer.path is required when tokenizer.kind='hf' (an HF directory)"
+            )
         if not (isinstance(self.vocab_size, int) and self.vocab_size >= 300):
             raise ValueError(
                 f"tokenizer.vocab_size={self.vocab_size!r}: must be an int >= 300 (256 byte pieces "
@@ -202,7 +204,9 @@ def train_sentencepiece(lines: Iterable[str], config: TokenizerConfig) -> Senten
     Raises ValueError if the corpus is too small for `config.vocab_size`.
     """
     if config.kind != "sentencepiece":
-        raise ValueError(f"train_sentencepiece needs tokenizer.kind='sentencepiece', got {config.kind!r}")
+        raise ValueError(
+            f"train_sentencepiece needs tokenizer.kind='sentencepiece', got {config.kind!r}"
+        )
     sentences = [s for s in lines if s]
     if not sentences:
         raise ValueError("train_sentencepiece: the corpus is empty")
@@ -241,7 +245,11 @@ def train_sentencepiece(lines: Iterable[str], config: TokenizerConfig) -> Senten
 
 def tokenizer_fingerprint(tokenizer: Tokenizer) -> dict[str, object]:
     """{"kind", "sha256", "vocab_size"}: what `save_tokenizer` records and checks compare."""
-    return {"kind": tokenizer.kind, "sha256": tokenizer.sha256(), "vocab_size": tokenizer.vocab_size}
+    return {
+        "kind": tokenizer.kind,
+        "sha256": tokenizer.sha256(),
+        "vocab_size": tokenizer.vocab_size,
+    }
 
 
 def save_tokenizer(tokenizer: Tokenizer, directory: str) -> None:
@@ -308,9 +316,10 @@ def check_tokenizer_match(checkpoint_dir: str, tokenizer: Tokenizer) -> None:
     mine = tokenizer_fingerprint(tokenizer)
     diffs = [k for k in ("kind", "vocab_size", "sha256") if saved.get(k) != mine[k]]
     if diffs:
-        detail = ", ".join(f"{k}: checkpoint={saved.get(k)!r} configured={mine[k]!r}" for k in diffs)
+        detail = ", ".join(
+            f"{k}: checkpoint={saved.get(k)!r} configured={mine[k]!r}" for k in diffs
+        )
         raise ValueError(
             f"tokenizer mismatch with checkpoint {checkpoint_dir!r} ({detail}). Set tokenizer.path "
             f"to {checkpoint_dir!r} to use the checkpoint's own tokenizer"
         )
-

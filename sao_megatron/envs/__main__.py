@@ -33,8 +33,11 @@ def _parse_option(text: str) -> tuple[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
-    parser = argparse.ArgumentParser(prog="python -m sao_megatron.envs", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m sao_megatron.envs",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="print the registered environment names")
     show = sub.add_parser("show", help="print one sample episode of an environment")
@@ -42,12 +45,22 @@ def main(argv: list[str] | None = None) -> int:
     show.add_argument("--seed", type=int, default=0, help="episode seed (default 0)")
     show.add_argument("--horizon", type=int, default=None, help="horizon H (Hanoi)")
     show.add_argument("--epsilon", type=float, default=0.0, help="noisy-gold wrong-move rate")
-    show.add_argument("--option", type=_parse_option, action="append", default=[],
-                      help="extra env option KEY=VALUE (JSON value), repeatable")
-    show.add_argument("--window", type=int, default=None,
-                      help="also print the windowed context of the last action (K pairs)")
-    show.add_argument("--tokenizer", default=None,
-                      help="tokenizer .model file or directory: report token counts")
+    show.add_argument(
+        "--option",
+        type=_parse_option,
+        action="append",
+        default=[],
+        help="extra env option KEY=VALUE (JSON value), repeatable",
+    )
+    show.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        help="also print the windowed context of the last action (K pairs)",
+    )
+    show.add_argument(
+        "--tokenizer", default=None, help="tokenizer .model file or directory: report token counts"
+    )
     args = parser.parse_args(argv)
 
     if args.command == "list":
@@ -80,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
             window_size=args.window or 0,
         )
         seqs = demo.to_sft_sequences(EpisodeFormatter(tok, fmt), train_on_noise=True)
-        print(f"--- tokens: {[len(s) for s in seqs]} per sequence, {sum(len(s) for s in seqs)} total")
+        print(
+            f"--- tokens: {[len(s) for s in seqs]} per sequence, {sum(len(s) for s in seqs)} total"
+        )
         if args.window is not None:
             print("--- last windowed context + action:")
             print(tok.decode(seqs[-1].token_ids.tolist()))

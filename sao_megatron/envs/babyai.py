@@ -148,10 +148,19 @@ class BabyAIEnv:
             if cfg.invalid_action_ends_episode or self.num_steps >= self.max_steps:
                 self.done = True
                 truncated = not cfg.invalid_action_ends_episode
-                return StepResult(observation="", reward=cfg.invalid_action_reward,
-                                  done=not truncated, truncated=truncated, info=info)
-            return StepResult(observation=self._observe(self._env.unwrapped.gen_obs()),
-                              reward=cfg.invalid_action_reward, done=False, info=info)
+                return StepResult(
+                    observation="",
+                    reward=cfg.invalid_action_reward,
+                    done=not truncated,
+                    truncated=truncated,
+                    info=info,
+                )
+            return StepResult(
+                observation=self._observe(self._env.unwrapped.gen_obs()),
+                reward=cfg.invalid_action_reward,
+                done=False,
+                info=info,
+            )
         idx = ACTION_NAMES.index(name)
         self._last_action = idx
         obs, reward, terminated, truncated, _ = self._env.step(idx)
@@ -161,8 +170,13 @@ class BabyAIEnv:
         self.done = bool(terminated or truncated)
         info = {"success": success, "num_steps": self.num_steps}
         text = "" if self.done else self._observe(obs)
-        return StepResult(observation=text, reward=float(reward), done=bool(terminated),
-                          truncated=bool(truncated and not terminated), info=info)
+        return StepResult(
+            observation=text,
+            reward=float(reward),
+            done=bool(terminated),
+            truncated=bool(truncated and not terminated),
+            info=info,
+        )
 
     def gold_action(self) -> str:
         """BabyAIBot's action for the current state. The bot keeps a plan, so it is consulted

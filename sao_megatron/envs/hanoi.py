@@ -84,7 +84,9 @@ class HanoiConfig:
                 "makes the task unsolvable)"
             )
         labels = self.peg_labels
-        if not (len(labels) == 3 and len(set(labels)) == 3 and labels.isalpha() and labels.isupper()):
+        if not (
+            len(labels) == 3 and len(set(labels)) == 3 and labels.isalpha() and labels.isupper()
+        ):
             raise ValueError(
                 f"hanoi.peg_labels={labels!r}: give three distinct upper-case letters, e.g. 'ABC'"
             )
@@ -219,9 +221,7 @@ class HanoiEnv:
         self.config = config or config_from_options(HanoiConfig, options, "hanoi")
         self.max_steps = math.ceil(self.config.max_steps_factor * self.config.horizon - 1e-9)
         self._labels = self.config.peg_labels
-        self._move_re = re.compile(
-            rf"\s*([{self._labels}])->([{self._labels}])\s*"
-        )
+        self._move_re = re.compile(rf"\s*([{self._labels}])->([{self._labels}])\s*")
         self.state: State | None = None
         self.done = True
 
@@ -285,7 +285,9 @@ class HanoiEnv:
                 return StepResult(observation="", reward=reward, done=True, info=info)
             if self.num_steps >= self.max_steps:
                 self.done = True
-                return StepResult(observation="", reward=reward, done=False, truncated=True, info=info)
+                return StepResult(
+                    observation="", reward=reward, done=False, truncated=True, info=info
+                )
             return StepResult(observation=self.render(), reward=reward, done=False, info=info)
         self.state = apply_move(self.state, move)
         self.moves.append(move)

@@ -67,7 +67,9 @@ def math_verify_reward(answer: str, gold: str, timeout_seconds: int = 5) -> floa
     timeout = timeout_seconds if in_main else None
     if timeout is None:
         _install_filter()
-    gold_parsed = parse(gold if "$" in gold or "\\" in gold else f"${gold}$", parsing_timeout=timeout)
+    gold_parsed = parse(
+        gold if "$" in gold or "\\" in gold else f"${gold}$", parsing_timeout=timeout
+    )
     answer_parsed = parse(answer, parsing_timeout=timeout)
     if not gold_parsed or not answer_parsed:
         return 0.0

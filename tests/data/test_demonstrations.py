@@ -13,8 +13,12 @@ from sao_megatron.data.tokenizer import TokenizerConfig
 from sao_megatron.envs import EnvSpec, StepResult, make_env
 from sao_megatron.envs.hanoi import optimal_distance
 
-SPECS = [EnvSpec(name="hanoi", options={"horizon": 25}), EnvSpec(name="chain_sum"),
-         EnvSpec(name="basic_arithmetic", options={"reward": "math_verify"}), EnvSpec(name="babyai")]
+SPECS = [
+    EnvSpec(name="hanoi", options={"horizon": 25}),
+    EnvSpec(name="chain_sum"),
+    EnvSpec(name="basic_arithmetic", options={"reward": "math_verify"}),
+    EnvSpec(name="babyai"),
+]
 
 
 def _key(demos):
@@ -39,7 +43,7 @@ def test_noisy_gold_recovers_via_the_gold_solver():
         demo = run_demonstration(env, seed, noise_epsilon=0.15)
         env.reset(seed)
         dist = env.remaining_optimal_moves()
-        for action, gold in zip(demo.actions, demo.is_gold):
+        for action, gold in zip(demo.actions, demo.is_gold, strict=True):
             r = env.step(action)
             assert "error" not in r.info  # mistakes are legal moves
             new = optimal_distance(env.state, env.target_peg) if not r.done else 0
@@ -62,10 +66,12 @@ def test_sft_sequences_exclude_mistakes_unless_asked():
     assert any(not g for d in demos for g in d.is_gold)
     seqs = demonstration_sequences(cfg, fmt)
     assert len(seqs) == 3
-    for d, s in zip(demos, seqs):
+    for d, s in zip(demos, seqs, strict=True):
         assert tok.decode(s.token_ids.tolist()) == d.text()
         trained = tok.decode(s.token_ids[s.action_mask].tolist())
-        assert trained == "".join(a + "<|eoa|>" for a, g in zip(d.actions, d.is_gold) if g)
+        assert trained == "".join(
+            a + "<|eoa|>" for a, g in zip(d.actions, d.is_gold, strict=True) if g
+        )
         everything = d.to_sft_sequences(fmt, train_on_noise=True)[0]
         assert int(everything.action_mask.sum()) > int(s.action_mask.sum())
         assert torch.equal(everything.token_ids, s.token_ids)

@@ -11,8 +11,10 @@ from sao_megatron.envs import EnvSpec, make_env
 
 @pytest.fixture(scope="module")
 def tok():
-    cfg = DemonstrationConfig(envs=[EnvSpec(name="hanoi", options={"horizon": 20}),
-                                    EnvSpec(name="chain_sum")], num_episodes=20)
+    cfg = DemonstrationConfig(
+        envs=[EnvSpec(name="hanoi", options={"horizon": 20}), EnvSpec(name="chain_sum")],
+        num_episodes=20,
+    )
     return train_sentencepiece(corpus_lines(cfg), TokenizerConfig(vocab_size=400))
 
 
@@ -78,10 +80,11 @@ def test_window_mode_contexts(tok, window):
     full_traj, *_ = _play(full, env, 2)
     full_seq = full_traj.to_token_sequence()
     seqs = traj.to_node_sequences()
-    for n, (node, seq) in enumerate(zip(traj.nodes, seqs)):
+    for n, (node, seq) in enumerate(zip(traj.nodes, seqs, strict=True)):
         first = max(0, n - window)
         expected = full.prompt_text(observations[0]) + "".join(
-            actions[j] + "<|eoa|>" + full.observation_text(observations[j + 1]) for j in range(first, n)
+            actions[j] + "<|eoa|>" + full.observation_text(observations[j + 1])
+            for j in range(first, n)
         )
         assert tok.decode(node.context_token_ids) == expected
         assert node.context_token_ids[0] == tok.bos_id
@@ -97,7 +100,9 @@ def test_stop_tokens_and_action_text(tok):
     assert fmt.stop_token_ids == [eoa, tok.eos_id] and fmt.stop_strings == ["<|eoa|>"]
     ids = tok.encode("A->C") + [eoa]
     assert fmt.action_text(ids) == "A->C" and fmt.is_complete_action(ids)
-    assert fmt.action_text(tok.encode("A->")) == "A->" and not fmt.is_complete_action(tok.encode("A->"))
+    assert fmt.action_text(tok.encode("A->")) == "A->" and not fmt.is_complete_action(
+        tok.encode("A->")
+    )
     assert fmt.action_text(tok.encode("B->A") + [tok.eos_id]) == "B->A"
     assert fmt.is_complete_action(tok.encode("B->A") + [tok.eos_id])
     assert fmt.prompt_ids("x") == [tok.bos_id] + tok.encode("<|obs|>x<|act|>")
@@ -111,7 +116,8 @@ def test_single_turn_episode(tok):
     traj, observations, actions, _ = _play(fmt, make_env("chain_sum"), 4)
     assert len(traj.nodes) == 1 and traj.total_reward == 1.0
     assert tok.decode(traj.to_token_sequence().token_ids.tolist()) == (
-        f"<|obs|>{observations[0]}<|act|>{actions[0]}<|eoa|>")
+        f"<|obs|>{observations[0]}<|act|>{actions[0]}<|eoa|>"
+    )
 
 
 def test_sft_sequences_mask_only_trained_actions(tok):

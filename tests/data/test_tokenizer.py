@@ -33,9 +33,15 @@ EXTRA_LINES = [
 @pytest.fixture(scope="module")
 def corpus():
     cfg = DemonstrationConfig(
-        envs=[EnvSpec(name="hanoi", options={"horizon": 30}), EnvSpec(name="chain_sum"),
-              EnvSpec(name="basic_arithmetic"), EnvSpec(name="babyai")],
-        num_episodes=20, seed=0, noise_epsilon=0.1,
+        envs=[
+            EnvSpec(name="hanoi", options={"horizon": 30}),
+            EnvSpec(name="chain_sum"),
+            EnvSpec(name="basic_arithmetic"),
+            EnvSpec(name="babyai"),
+        ],
+        num_episodes=20,
+        seed=0,
+        noise_epsilon=0.1,
     )
     return corpus_lines(cfg)
 
@@ -86,7 +92,9 @@ def test_save_load_and_checkpoint_match(tok, corpus, tmp_path):
     check_tokenizer_match(ckpt, loaded)  # no error
 
     other = train_sentencepiece(corpus, TokenizerConfig(vocab_size=700))
-    with pytest.raises(ValueError, match=r"tokenizer mismatch.*vocab_size: checkpoint=600 configured=700"):
+    with pytest.raises(
+        ValueError, match=r"tokenizer mismatch.*vocab_size: checkpoint=600 configured=700"
+    ):
         check_tokenizer_match(ckpt, other)
     same_size = train_sentencepiece(corpus, TokenizerConfig(vocab_size=600, split_digits=False))
     with pytest.raises(ValueError, match=r"tokenizer mismatch.*sha256"):
@@ -134,8 +142,14 @@ def test_hf_tokenizer_directory(tok, tmp_path):
     raw = RawTokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
-    raw.train_from_iterator(EXTRA_LINES * 5, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|eoa|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    raw.train_from_iterator(
+        EXTRA_LINES * 5,
+        trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=["<|eoa|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     hf_dir = str(tmp_path / "hf")
     PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|eoa|>").save_pretrained(hf_dir)
     hf = load_tokenizer(hf_dir, kind="hf")

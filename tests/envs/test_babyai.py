@@ -6,8 +6,9 @@ from sao_megatron.envs import make_env
 from sao_megatron.envs.babyai import ACTION_NAMES, BabyAIConfig, describe_view
 
 
-@pytest.mark.parametrize("level", ["BabyAI-GoToLocal-v0", "BabyAI-PickupLoc-v0",
-                                   "BabyAI-UnlockLocal-v0"])
+@pytest.mark.parametrize(
+    "level", ["BabyAI-GoToLocal-v0", "BabyAI-PickupLoc-v0", "BabyAI-UnlockLocal-v0"]
+)
 def test_bot_solves_levels_reproducibly(level):
     env_a, env_b = make_env("babyai", level=level), make_env("babyai", level=level)
     for seed in range(4):
@@ -17,7 +18,9 @@ def test_bot_solves_levels_reproducibly(level):
         assert set(a.actions) <= set(ACTION_NAMES)
 
 
-@pytest.mark.parametrize("action", ["", "garbage", "go forward", "forward\nforward", "FORWARD", None])
+@pytest.mark.parametrize(
+    "action", ["", "garbage", "go forward", "forward\nforward", "FORWARD", None]
+)
 def test_malformed_actions_end_episode(action):
     env = make_env("babyai")
     env.reset(0)
@@ -47,8 +50,10 @@ def test_describe_view_relative_positions():
     img[1, 4] = (OBJECT_TO_IDX["ball"], COLOR_TO_IDX["red"], 0)  # 2 forward, 2 left
     img[3, 5] = (OBJECT_TO_IDX["door"], COLOR_TO_IDX["blue"], 2)  # directly ahead, locked
     text = describe_view(img)
-    assert text == ("You see: blue door (locked) 1 forward; red ball 2 forward 2 left\n"
-                    "In front of you: blue door\nYou carry: nothing")
+    assert text == (
+        "You see: blue door (locked) 1 forward; red ball 2 forward 2 left\n"
+        "In front of you: blue door\nYou carry: nothing"
+    )
 
 
 def test_bad_level_is_a_config_error():

@@ -14,8 +14,12 @@ def _run(argv):
 
 
 def test_show_prints_the_episode_as_the_agent_sees_it():
-    for name, extra in [("hanoi", ["--horizon", "6"]), ("chain_sum", []), ("basic_arithmetic", []),
-                        ("babyai", [])]:
+    for name, extra in [
+        ("hanoi", ["--horizon", "6"]),
+        ("chain_sum", []),
+        ("basic_arithmetic", []),
+        ("babyai", []),
+    ]:
         rc, out = _run(["show", name, "--seed", "3", *extra])
         assert rc == 0
         env = make_env(name, **({"horizon": 6} if extra else {}))

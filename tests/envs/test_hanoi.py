@@ -111,7 +111,13 @@ def test_gold_solver_reaches_reward_one_and_scorer_agrees(horizon):
             steps += 1
             if r.done or r.truncated:
                 break
-        assert (total, steps, r.done, r.truncated, r.info["success"]) == (1.0, horizon, True, False, True)
+        assert (total, steps, r.done, r.truncated, r.info["success"]) == (
+            1.0,
+            horizon,
+            True,
+            False,
+            True,
+        )
         answer = env.reasoning_gym_answer()
         assert len(answer.splitlines()) == 2**env.num_disks - 1
         assert RG_HANOI.score_answer(answer, env.reasoning_gym_entry()) == 1.0
@@ -156,8 +162,20 @@ def test_larger_budget_solves_after_a_mistake():
 
 @pytest.mark.parametrize(
     "action",
-    ["", "   ", "garbage", "move disk 1", "a->c", "A->A", "A -> C", "A->D", "A->C B->A", "A->C\nB->C",
-     None, 17],
+    [
+        "",
+        "   ",
+        "garbage",
+        "move disk 1",
+        "a->c",
+        "A->A",
+        "A -> C",
+        "A->D",
+        "A->C B->A",
+        "A->C\nB->C",
+        None,
+        17,
+    ],
 )
 def test_malformed_actions_end_episode_with_zero(action):
     env = HanoiEnv(horizon=20)
@@ -228,7 +246,12 @@ def test_truncation_when_budget_runs_out():
             break
     last = results[-1]
     assert len(results) == 8
-    assert (last.reward, last.done, last.truncated, last.info["success"]) == (0.0, False, True, False)
+    assert (last.reward, last.done, last.truncated, last.info["success"]) == (
+        0.0,
+        False,
+        True,
+        False,
+    )
 
 
 def test_observation_format_and_labels():
@@ -246,9 +269,13 @@ def test_observation_format_and_labels():
 
 @pytest.mark.parametrize(
     "options, field",
-    [({"horizon": 0}, "horizon"), ({"max_steps_factor": 0.5}, "max_steps_factor"),
-     ({"peg_labels": "AAB"}, "peg_labels"), ({"horizon": 5000, "max_disks": 10}, "max_disks"),
-     ({"extra_disks": -1}, "extra_disks")],
+    [
+        ({"horizon": 0}, "horizon"),
+        ({"max_steps_factor": 0.5}, "max_steps_factor"),
+        ({"peg_labels": "AAB"}, "peg_labels"),
+        ({"horizon": 5000, "max_disks": 10}, "max_disks"),
+        ({"extra_disks": -1}, "extra_disks"),
+    ],
 )
 def test_config_errors_name_the_field(options, field):
     with pytest.raises(ValueError, match=f"hanoi.{field}"):

@@ -78,14 +78,22 @@ def test_bad_answers_score_zero_and_end(action):
 
 
 def test_difficulty_knobs_are_applied():
-    env = make_env("chain_sum", difficulty={"min_terms": 2, "max_terms": 2, "min_digits": 1,
-                                            "max_digits": 1})
+    env = make_env(
+        "chain_sum", difficulty={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+    )
     for seed in range(20):
         q = env.reset(seed)
         nums = re.findall(r"\d+", q.split(":")[1])
         assert len(nums) == 2 and all(len(n) == 1 for n in nums)
-    env = make_env("basic_arithmetic", difficulty={"operators": ["*"], "allow_parentheses": False,
-                                                   "allow_negation": False, "max_terms": 3})
+    env = make_env(
+        "basic_arithmetic",
+        difficulty={
+            "operators": ["*"],
+            "allow_parentheses": False,
+            "allow_negation": False,
+            "max_terms": 3,
+        },
+    )
     for seed in range(10):
         q = env.reset(seed)
         assert "+" not in q and "*" in q
