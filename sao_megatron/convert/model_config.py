@@ -1,4 +1,4 @@
-"""HF ``config.json`` -> the trainer's ``MoEModelConfig`` (MoE families and dense Qwen2/Qwen3/Llama).
+"""HF ``config.json`` -> the trainer's ``MoEModelConfig`` (MoE and dense Qwen2/Qwen3/Llama).
 
 ``MoEModelConfig.from_hf_config`` (sao_megatron.models.config) reads the MoE families. Dense
 families become an MoE config whose every layer is listed in ``mlp_only_layers`` (Megatron builds
