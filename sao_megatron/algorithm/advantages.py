@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import AlgorithmConfig
-from .scan import compact, discounted_reverse_cumsum, expand
+from .scan import Packer, discounted_reverse_cumsum
 
 
 @dataclass(kw_only=True)
@@ -114,37 +114,81 @@ def gae_packed(
     return discounted_reverse_cumsum(delta, gamma * lam_t)
 
 
-def _check_nodes(node_rewards: torch.Tensor, node_index: torch.Tensor, action_mask: torch.Tensor):
-    if node_index.shape != action_mask.shape or node_rewards.shape[0] != action_mask.shape[0]:
+@dataclass(kw_only=True)
+class PackedNodes:
+    """Action tokens of each row gathered to the left (see scan.Packer), with their nodes.
+
+    node_ids: [B, L] int64 node of each packed action token (0 past the row's length).
+    lengths: [B] int64 action tokens per row. valid: [B, L] bool, j < lengths[b].
+    is_last: [B, L] bool, the packed token is its node's last action token.
+    node_mask: [B, N] bool, node n has at least one action token.
+    rewards: [B, L] float64, node reward on each node's last action token, 0 elsewhere.
+    packer: the `Packer` of the action mask (packs/unpacks other [B, T] tensors).
+    """
+
+    node_ids: torch.Tensor
+    lengths: torch.Tensor
+    valid: torch.Tensor
+    is_last: torch.Tensor
+    node_mask: torch.Tensor
+    rewards: torch.Tensor
+    packer: Packer
+
+
+def pack_nodes(
+    node_rewards: torch.Tensor, node_index: torch.Tensor, action_mask: torch.Tensor
+) -> PackedNodes:
+    """Pack the action tokens and locate node ends; validates the node layout.
+
+    Args: node_rewards [B, N] float, node_index [B, T] int64, action_mask [B, T] bool.
+    Raises ValueError if shapes disagree, a node index on an action token is outside [0, N), the
+    node index decreases along a row's action tokens (a row must be one trajectory in order), or a
+    node without action tokens has a nonzero reward (it would be lost).
+    """
+    mask = action_mask.to(torch.bool)
+    if node_index.shape != mask.shape or node_rewards.shape[0] != mask.shape[0]:
         raise ValueError(
             f"shapes differ: node_index {tuple(node_index.shape)}, action_mask "
-            f"{tuple(action_mask.shape)}, node_rewards {tuple(node_rewards.shape)} (want [B, T], "
+            f"{tuple(mask.shape)}, node_rewards {tuple(node_rewards.shape)} (want [B, T], "
             "[B, T], [B, N])"
         )
     n = node_rewards.shape[1]
-    idx = node_index[action_mask]
-    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+    packer = Packer(mask)
+    node_ids, lengths = packer.pack(node_index.long()), packer.counts
+    valid = torch.arange(node_ids.shape[1], device=mask.device)[None, :] < lengths[:, None]
+    if node_ids.numel():
+        lo = int(torch.where(valid, node_ids, 0).min())
+        hi = int(torch.where(valid, node_ids, -1).max())
+        if lo < 0 or hi >= n:
+            raise ValueError(
+                f"node_index on action tokens must be in [0, {n}) (N = node_rewards.shape[1]); "
+                f"got range [{lo}, {hi}]"
+            )
+    nxt = torch.nn.functional.pad(node_ids[:, 1:], (0, 1))
+    valid_next = torch.nn.functional.pad(valid[:, 1:], (0, 1))
+    if bool((valid_next & (nxt < node_ids)).any()):
         raise ValueError(
-            f"node_index on action tokens must be in [0, {n}) (N = node_rewards.shape[1]); "
-            f"got range [{int(idx.min())}, {int(idx.max())}]"
+            "node_index decreases along a row's action tokens: each row must hold one "
+            "trajectory with its nodes in order"
         )
-
-
-def node_layout(node_index: torch.Tensor, action_mask: torch.Tensor, num_nodes: int):
-    """Per node: position of its last action token, its action-token count, and whether it exists.
-
-    Args: node_index [B, T] int64, action_mask [B, T] bool, num_nodes N.
-    Returns: (last_pos [B, N] int64 (0 for absent nodes), counts [B, N] int64,
-        node_mask [B, N] bool = counts > 0).
-    """
-    b, t = action_mask.shape
-    idx = torch.where(action_mask, node_index, num_nodes)  # non-action -> spill node N
-    pos = torch.arange(t, device=action_mask.device).expand(b, t)
-    last = torch.zeros(b, num_nodes + 1, dtype=torch.long, device=action_mask.device)
-    last = last.scatter_reduce(1, idx, pos, reduce="amax", include_self=True)[:, :num_nodes]
-    counts = torch.zeros(b, num_nodes + 1, dtype=torch.long, device=action_mask.device)
-    counts = counts.scatter_add(1, idx, action_mask.long())[:, :num_nodes]
-    return last, counts, counts > 0
+    is_last = valid & (~valid_next | (nxt != node_ids))
+    spill = torch.where(valid, node_ids, n)
+    node_mask = mask.new_zeros(mask.shape[0], n + 1).scatter(1, spill, True)[:, :n]
+    if bool((node_rewards.ne(0) & ~node_mask).any()):
+        raise ValueError(
+            "node_rewards holds a nonzero reward for a node with no action token in node_index; "
+            "give every rewarded node at least one action token (padding nodes must be 0)"
+        )
+    rewards = torch.where(is_last, node_rewards.to(torch.float64).gather(1, node_ids), 0.0)
+    return PackedNodes(
+        node_ids=node_ids,
+        lengths=lengths,
+        valid=valid,
+        is_last=is_last,
+        node_mask=node_mask,
+        rewards=rewards,
+        packer=packer,
+    )
 
 
 def token_rewards_from_nodes(
@@ -153,18 +197,10 @@ def token_rewards_from_nodes(
     """Place each node's reward on that node's last action token.
 
     Args: node_rewards [B, N] float, node_index [B, T] int64, action_mask [B, T] bool.
-    Returns: [B, T] float (dtype of node_rewards), 0 elsewhere.
-    Raises ValueError if a node with no action token has a nonzero reward (it would be lost).
+    Returns: [B, T] (dtype of node_rewards), 0 elsewhere. Raises ValueError as `pack_nodes`.
     """
-    _check_nodes(node_rewards, node_index, action_mask)
-    last, _, node_mask = node_layout(node_index, action_mask, node_rewards.shape[1])
-    if bool((node_rewards.ne(0) & ~node_mask).any()):
-        raise ValueError(
-            "node_rewards holds a nonzero reward for a node with no action token in node_index; "
-            "give every rewarded node at least one action token (padding nodes must be 0)"
-        )
-    out = node_rewards.new_zeros(action_mask.shape)
-    return out.scatter_add(1, last, torch.where(node_mask, node_rewards, 0.0))
+    pk = pack_nodes(node_rewards, node_index, action_mask)
+    return pk.packer.unpack(pk.rewards.to(node_rewards.dtype))
 
 
 def action_token_gae(
@@ -189,19 +225,18 @@ def action_token_gae(
 
     Shapes: values [B, T], node_rewards [B, N], node_index [B, T], action_mask [B, T],
     next_values [B] (see module docstring). Returns advantages/returns [B, T] (dtype of values),
-    value_mask = action_mask.
+    value_mask = action_mask. Raises ValueError as `pack_nodes`.
     """
     mask = action_mask.to(torch.bool)
-    rewards_tok = token_rewards_from_nodes(node_rewards.to(values.dtype), node_index, mask)
-    r_packed, lengths = compact(rewards_tok, mask)
-    v_packed, _ = compact(values, mask)
-    lam_pi = _policy_lambda(lengths, lam_policy, length_adaptive_alpha)
-    adv = gae_packed(r_packed, v_packed, lengths, next_values, gamma, lam_pi)
-    adv_v = gae_packed(r_packed, v_packed, lengths, next_values, gamma, lam_value)
-    returns = adv_v + v_packed.to(torch.float64)
+    pk = pack_nodes(node_rewards, node_index, mask)
+    v_packed = pk.packer.pack(values).to(torch.float64)
+    lam_pi = _policy_lambda(pk.lengths, lam_policy, length_adaptive_alpha)
+    adv = gae_packed(pk.rewards, v_packed, pk.lengths, next_values, gamma, lam_pi)
+    returns = gae_packed(pk.rewards, v_packed, pk.lengths, next_values, gamma, lam_value)
+    returns = returns + v_packed
     return AdvantageOutput(
-        advantages=expand(adv, mask).to(values.dtype),
-        returns=expand(returns, mask).to(values.dtype),
+        advantages=pk.packer.unpack(adv.to(values.dtype)),
+        returns=pk.packer.unpack(returns.to(values.dtype)),
         value_mask=mask,
         lam_policy=lam_pi,
     )
@@ -227,49 +262,38 @@ def node_gae(
     have action tokens, in node order; A_n = delta_n + gamma lam A_{n+1} (GAE eq. 16, Schulman et
     al. 2016, with an action node as the MDP step). Every action token of node n gets A_n and the
     value target A_n(lam_value) + V_n. value_mask: the last action token of each node for
-    "last_token", every action token for "mean".
+    "last_token", every action token for "mean". Length-adaptive lambda counts nodes.
 
-    Shapes as `action_token_gae`. Raises ValueError for an unknown node_value.
+    Shapes as `action_token_gae`. Raises ValueError for an unknown node_value or as `pack_nodes`.
     """
     if node_value not in ("last_token", "mean"):
         raise ValueError(f"node_value={node_value!r}: use 'last_token' or 'mean'")
     mask = action_mask.to(torch.bool)
-    _check_nodes(node_rewards, node_index, mask)
-    num_nodes = node_rewards.shape[1]
-    last, counts, node_mask = node_layout(node_index, mask, num_nodes)
-    if bool((node_rewards.ne(0) & ~node_mask).any()):
-        raise ValueError(
-            "node_rewards holds a nonzero reward for a node with no action token in node_index; "
-            "give every rewarded node at least one action token (padding nodes must be 0)"
-        )
-    v64 = values.to(torch.float64)
+    pk = pack_nodes(node_rewards, node_index, mask)
+    n = node_rewards.shape[1]
+    b = mask.shape[0]
+    v_c = pk.packer.pack(values).to(torch.float64)
     if node_value == "last_token":
-        v_node = v64.gather(1, last)
+        spill = torch.where(pk.is_last, pk.node_ids, n)
+        v_node = v_c.new_zeros(b, n + 1).scatter(1, spill, v_c)[:, :n]
     else:
-        idx = torch.where(mask, node_index, num_nodes)
-        sums = v64.new_zeros(v64.shape[0], num_nodes + 1).scatter_add(
-            1, idx, torch.where(mask, v64, 0.0)
-        )[:, :num_nodes]
+        spill = torch.where(pk.valid, pk.node_ids, n)
+        sums = v_c.new_zeros(b, n + 1).scatter_add(1, spill, v_c)[:, :n]
+        counts = v_c.new_zeros(b, n + 1).scatter_add(1, spill, pk.valid.to(v_c.dtype))[:, :n]
         v_node = sums / counts.clamp(min=1)
-    r_packed, lengths = compact(node_rewards.to(torch.float64), node_mask)
-    v_packed, _ = compact(v_node, node_mask)
+    nodes = Packer(pk.node_mask)
+    r_packed, v_packed = nodes.pack(node_rewards.to(torch.float64)), nodes.pack(v_node)
+    lengths = nodes.counts
     lam_pi = _policy_lambda(lengths, lam_policy, length_adaptive_alpha)
     adv_n = gae_packed(r_packed, v_packed, lengths, next_values, gamma, lam_pi)
-    ret_n = gae_packed(r_packed, v_packed, lengths, next_values, gamma, lam_value)
-    adv_n, ret_n = expand(adv_n, node_mask), expand(ret_n, node_mask)
-    ret_n = ret_n + torch.where(node_mask, v_node, 0.0)
-    safe_idx = torch.where(mask, node_index, 0)
-    adv = torch.where(mask, adv_n.gather(1, safe_idx), 0.0)
-    ret = torch.where(mask, ret_n.gather(1, safe_idx), 0.0)
-    if node_value == "last_token":
-        t_len = mask.shape[1]
-        spill = torch.where(node_mask, last, t_len)  # absent nodes write to a spill column
-        value_mask = mask.new_zeros(mask.shape[0], t_len + 1).scatter(1, spill, True)[:, :t_len]
-    else:
-        value_mask = mask
+    ret_n = gae_packed(r_packed, v_packed, lengths, next_values, gamma, lam_value) + v_packed
+    adv_n, ret_n = nodes.unpack(adv_n), nodes.unpack(ret_n)  # [B, N]
+    adv = pk.packer.unpack(adv_n.gather(1, pk.node_ids).to(values.dtype))
+    ret = pk.packer.unpack(ret_n.gather(1, pk.node_ids).to(values.dtype))
+    value_mask = pk.packer.unpack(pk.is_last) if node_value == "last_token" else mask
     return AdvantageOutput(
-        advantages=adv.to(values.dtype),
-        returns=ret.to(values.dtype),
+        advantages=adv,
+        returns=ret,
         value_mask=value_mask,
         lam_policy=lam_pi,
     )

@@ -6,15 +6,15 @@ chunked matrix form instead of a Python loop over t: inside a chunk of K steps t
 chunk from the right is the same recurrence over chunk starts with coefficient c^K, solved by
 recursion (depth log_K(L)). Powers are taken in float64, so no c^-t growth appears (only
 non-negative powers of c <= 1 are formed) and underflow of c^n to 0 is exact to within the
-float64 resolution of the sum. For L = 20,000 and K = 64 that is three levels of small batched
-matmuls instead of 20,000 sequential steps (see docs/BENCHMARKS.md, "Advantages").
+float64 resolution of the sum. For L = 10,000 and K = 16 that is four levels of small batched
+matmuls instead of 10,000 sequential steps (see docs/BENCHMARKS.md, "Advantages").
 """
 
 from __future__ import annotations
 
 import torch
 
-DEFAULT_CHUNK = 64
+DEFAULT_CHUNK = 16
 
 
 def discounted_reverse_cumsum(
@@ -62,32 +62,47 @@ def _scan64(x: torch.Tensor, c: torch.Tensor, k: int) -> torch.Tensor:
     return local.reshape(b, nc * k)[:, :length]
 
 
-def compact(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather the masked entries of each row to the left, in order, right-padded with 0.
+class Packer:
+    """Moves per-token tensors between the padded [B, T] layout and the packed [B, L] layout.
 
-    Args:
-        x: [B, T] any dtype. mask: [B, T] bool.
+    Packing gathers the masked entries of each row to the left, in order, right-padded with 0
+    (L = the largest row count, 0 if the mask is empty); unpacking puts packed[:, j] back on the
+    j-th masked token and 0 elsewhere. The index tensors are built once per mask.
 
-    Returns:
-        (packed [B, L] with L = max row count of mask (0 if none), counts [B] int64).
+    Args: mask [B, T] bool.
+    Attributes: counts [B] int64 (masked entries per row), length L.
     """
-    counts = mask.sum(dim=1)
-    length = int(counts.max()) if mask.numel() else 0
-    pos = torch.where(mask, mask.long().cumsum(dim=1) - 1, length)  # unmasked -> spill column
-    packed = x.new_zeros(x.shape[0], length + 1).scatter_(1, pos, x)
-    return packed[:, :length], counts
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        self.mask = mask.to(torch.bool)
+        self.counts = self.mask.sum(dim=1)
+        self.length = int(self.counts.max()) if self.mask.numel() else 0
+        rank = self.mask.long().cumsum(dim=1) - 1
+        self._scatter_pos = torch.where(self.mask, rank, self.length)  # unmasked -> spill column
+        self._gather_pos = rank.clamp(0, max(self.length - 1, 0))
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T] (any dtype) -> [B, L], same dtype, zero-padded."""
+        packed = x.new_zeros(x.shape[0], self.length + 1).scatter_(1, self._scatter_pos, x)
+        return packed[:, : self.length]
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """packed [B, L] -> [B, T], same dtype, 0 off the mask."""
+        if self.length == 0:
+            return packed.new_zeros(self.mask.shape)
+        zero = packed.new_zeros(())
+        return torch.where(self.mask, packed.gather(1, self._gather_pos), zero)
+
+
+def compact(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One-off `Packer(mask).pack(x)`: returns (packed [B, L], counts [B] int64)."""
+    packer = Packer(mask)
+    return packer.pack(x), packer.counts
 
 
 def expand(packed: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Inverse of `compact`: put packed[:, j] back on the j-th masked token; 0 off the mask.
-
-    Args:
-        packed: [B, L]. mask: [B, T] bool with at most L True entries per row.
-
-    Returns:
-        [B, T], dtype of packed.
-    """
-    if packed.shape[1] == 0:
-        return packed.new_zeros(mask.shape)
-    pos = (mask.long().cumsum(dim=1) - 1).clamp(0, packed.shape[1] - 1)
-    return torch.where(mask, packed.gather(1, pos), packed.new_zeros(()))
+    """One-off inverse of `compact`: packed [B, L] -> [B, T], 0 off the mask."""
+    packer = Packer(mask)
+    if packed.shape[1] != packer.length:
+        raise ValueError(f"packed has {packed.shape[1]} columns, mask needs {packer.length}")
+    return packer.unpack(packed)

@@ -228,6 +228,10 @@ def test_reward_on_node_without_action_tokens_raises():
         token_rewards_from_nodes(torch.tensor([[1.0, 2.0]]), torch.tensor([[0, 0, 1]]), mask)
     with pytest.raises(ValueError, match="node_index"):
         token_rewards_from_nodes(torch.tensor([[1.0]]), torch.tensor([[0, 3, 0]]), mask)
+    with pytest.raises(ValueError, match="decreases"):
+        token_rewards_from_nodes(torch.tensor([[1.0, 2.0]]), torch.tensor([[1, 0, 0]]), mask)
+    with pytest.raises(ValueError, match="shapes"):
+        token_rewards_from_nodes(torch.tensor([[1.0]]), torch.tensor([[0, 0]]), mask)
 
 
 def test_gae_from_trajectory_contract():
