@@ -7,7 +7,8 @@ reverse scan over T (one vectorised step per token, what the chunked scan replac
 reference. Prints a markdown table of the median wall time over --repeats runs.
 
     python tools/bench_advantages.py [--batch 64] [--nodes 500] [--obs-tokens 20]
-        [--action-tokens 20] [--repeats 5] [--device cpu] [--threads N]
+        [--action-tokens 20] [--repeats 5] [--naive-repeats 1] [--device cpu]
+        [--threads N]
 """
 
 from __future__ import annotations
@@ -37,24 +38,40 @@ def make_batch(batch: int, nodes: int, obs: int, act: int, device: str):
     truncated[::4] = True
     bootstrap = torch.randn(batch, generator=g, device=device)
     groups = torch.arange(batch, device=device) // 8
-    return dict(node_rewards=node_rewards, node_index=node_index, action_mask=mask,
-                values=values, truncated=truncated, bootstrap_values=bootstrap,
-                group_ids=groups)
+    return dict(
+        node_rewards=node_rewards,
+        node_index=node_index,
+        action_mask=mask,
+        values=values,
+        truncated=truncated,
+        bootstrap_values=bootstrap,
+        group_ids=groups,
+    )
 
 
 def naive_token_scan(values, rewards_tok, mask, gamma: float, lam: float):
-    """Reverse loop over T (vectorised over rows): the formulation the chunked scan replaces."""
+    """Reverse loop over T (vectorised over rows): the formulation the chunked scan replaces.
+
+    Computes the same outputs as the action_token path: policy advantages (lambda = lam) and
+    value targets (lambda = 1).
+    """
     b, t_len = values.shape
     adv = torch.zeros_like(values)
+    ret = torch.zeros_like(values)
     a_next = values.new_zeros(b)
+    g_next = values.new_zeros(b)
     v_next = values.new_zeros(b)
     for t in range(t_len - 1, -1, -1):
         m = mask[:, t]
-        a = rewards_tok[:, t] + gamma * v_next - values[:, t] + gamma * lam * a_next
+        delta = rewards_tok[:, t] + gamma * v_next - values[:, t]
+        a = delta + gamma * lam * a_next
+        g = delta + gamma * g_next
         a_next = torch.where(m, a, a_next)
+        g_next = torch.where(m, g, g_next)
         v_next = torch.where(m, values[:, t], v_next)
         adv[:, t] = torch.where(m, a, 0.0)
-    return adv
+        ret[:, t] = torch.where(m, g + values[:, t], 0.0)
+    return adv, ret
 
 
 def timed(fn, repeats: int, device: str) -> float:
@@ -86,27 +103,44 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     bt = make_batch(args.batch, args.nodes, args.obs_tokens, args.action_tokens, args.device)
     b, t_len = bt["values"].shape
-    print(f"# batch={b} nodes={args.nodes} T={t_len} action tokens/row="
-          f"{int(bt['action_mask'][0].sum())} device={args.device} "
-          f"torch={torch.__version__} threads={torch.get_num_threads()} "
-          f"cpu={platform.processor() or platform.machine()}")
+    print(
+        f"# batch={b} nodes={args.nodes} T={t_len} action tokens/row="
+        f"{int(bt['action_mask'][0].sum())} device={args.device} "
+        f"torch={torch.__version__} threads={torch.get_num_threads()} "
+        f"cpu={platform.processor() or platform.machine()}"
+    )
     rows = []
     for gran in ("action_token", "node_last_token", "node_mean"):
         cfg = AlgorithmConfig(advantage_granularity=gran, gamma=1.0, lam_policy=0.95)
         kw = {k: v for k, v in bt.items() if k != "group_ids"}
-        rows.append((f"sao {gran}", timed(lambda c=cfg, k=kw: compute_advantages(c, **k),
-                                          args.repeats, args.device), args.repeats))
+        rows.append(
+            (
+                f"sao {gran}",
+                timed(lambda c=cfg, k=kw: compute_advantages(c, **k), args.repeats, args.device),
+                args.repeats,
+            )
+        )
     grpo = AlgorithmConfig(name="grpo")
     kw = {k: bt[k] for k in ("node_rewards", "node_index", "action_mask", "group_ids")}
-    rows.append(("grpo (groups of 8)", timed(lambda: compute_advantages(grpo, **kw),
-                                             args.repeats, args.device), args.repeats))
+    rows.append(
+        (
+            "grpo (groups of 8)",
+            timed(lambda: compute_advantages(grpo, **kw), args.repeats, args.device),
+            args.repeats,
+        )
+    )
     if args.naive_repeats > 0:
         from sao_megatron.algorithm.advantages import token_rewards_from_nodes
 
         r_tok = token_rewards_from_nodes(bt["node_rewards"], bt["node_index"], bt["action_mask"])
         fn = lambda: naive_token_scan(bt["values"], r_tok, bt["action_mask"], 1.0, 0.95)  # noqa
-        rows.append(("naive reverse loop over T (policy A only)",
-                     timed(fn, args.naive_repeats, args.device), args.naive_repeats))
+        rows.append(
+            (
+                "naive reverse loop over T (action_token)",
+                timed(fn, args.naive_repeats, args.device),
+                args.naive_repeats,
+            )
+        )
     print("| computation | median wall time (ms) | repeats |")
     print("|---|---:|---:|")
     for name, sec, n in rows:
