@@ -30,14 +30,22 @@ def build_hf_model(family: str, *, tie: bool = False, seed: int = 0, num_experts
     kw = dict(_COMMON, tie_word_embeddings=tie)
     if family == "qwen3_moe":
         cfg = tf.Qwen3MoeConfig(
-            **kw, head_dim=16, moe_intermediate_size=16, num_experts=num_experts,
-            num_experts_per_tok=2, norm_topk_prob=True,
+            **kw,
+            head_dim=16,
+            moe_intermediate_size=16,
+            num_experts=num_experts,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
         )
         model = tf.Qwen3MoeForCausalLM(cfg)
     elif family == "qwen2_moe":
         cfg = tf.Qwen2MoeConfig(
-            **kw, moe_intermediate_size=16, num_experts=num_experts, num_experts_per_tok=2,
-            shared_expert_intermediate_size=24, norm_topk_prob=False,
+            **kw,
+            moe_intermediate_size=16,
+            num_experts=num_experts,
+            num_experts_per_tok=2,
+            shared_expert_intermediate_size=24,
+            norm_topk_prob=False,
         )
         model = tf.Qwen2MoeForCausalLM(cfg)
     elif family == "mixtral":
@@ -51,6 +59,7 @@ def build_hf_model(family: str, *, tie: bool = False, seed: int = 0, num_experts
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**kw, intermediate_size=48))
     else:
         raise ValueError(family)
+    model.config.architectures = [type(model).__name__]
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
