@@ -49,7 +49,7 @@ def make_batch(batch: int, nodes: int, obs: int, act: int, device: str):
     )
 
 
-def naive_token_scan(values, rewards_tok, mask, gamma: float, lam: float):
+def naive_token_scan(values, rewards_tok, mask, next_values, gamma: float, lam: float):
     """Reverse loop over T (vectorised over rows): the formulation the chunked scan replaces.
 
     Computes the same outputs as the action_token path: policy advantages (lambda = lam) and
@@ -60,7 +60,7 @@ def naive_token_scan(values, rewards_tok, mask, gamma: float, lam: float):
     ret = torch.zeros_like(values)
     a_next = values.new_zeros(b)
     g_next = values.new_zeros(b)
-    v_next = values.new_zeros(b)
+    v_next = next_values.to(values.dtype).clone()
     for t in range(t_len - 1, -1, -1):
         m = mask[:, t]
         delta = rewards_tok[:, t] + gamma * v_next - values[:, t]
@@ -130,10 +130,24 @@ def main() -> None:
         )
     )
     if args.naive_repeats > 0:
-        from sao_megatron.algorithm.advantages import token_rewards_from_nodes
+        from sao_megatron.algorithm.advantages import final_next_values, token_rewards_from_nodes
 
         r_tok = token_rewards_from_nodes(bt["node_rewards"], bt["node_index"], bt["action_mask"])
-        fn = lambda: naive_token_scan(bt["values"], r_tok, bt["action_mask"], 1.0, 0.95)  # noqa
+        nxt = final_next_values(bt["truncated"], bt["bootstrap_values"], True)
+        args_naive = (bt["values"], r_tok, bt["action_mask"], nxt, 1.0, 0.95)
+        fn = lambda: naive_token_scan(*args_naive)  # noqa: E731
+        # the fast path must agree with the plain loop on this very batch
+        cfg = AlgorithmConfig(advantage_granularity="action_token", gamma=1.0, lam_policy=0.95)
+        fast = compute_advantages(cfg, **{k: v for k, v in bt.items() if k != "group_ids"})
+        slow_adv, slow_ret = naive_token_scan(
+            *(a.double() if torch.is_tensor(a) and a.is_floating_point() else a for a in args_naive)
+        )
+        err = max(
+            float((fast.advantages.double() - slow_adv).abs().max()),
+            float((fast.returns.double() - slow_ret).abs().max()),
+        )
+        scale = float(slow_ret.abs().max())
+        print(f"# check: max |chunked - naive float64 loop| = {err:.2e} (max |value| {scale:.1f})")
         rows.append(
             (
                 "naive reverse loop over T (action_token)",
