@@ -1,0 +1,131 @@
+"""RolloutConfig: engines, sampling, staleness, batching and fault settings of the rollout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """Settings of the rollout engine (YAML section ``rollout``).
+
+    Engines:
+        engine_urls: base URLs of running vLLM servers (clusters: the SLURM script starts them on
+            rollout nodes). Empty: start `num_engines` local servers on loopback.
+        num_engines: local vLLM servers to start when `engine_urls` is empty (>= 1).
+        model_path: Hugging Face checkpoint folder the local servers load (required when starting
+            engines); its weights are version 0.
+        dtype: engine dtype: "float32", "bfloat16", "float16" or "auto".
+        vllm_python: Python of the vLLM virtualenv (made by ``tools/install_vllm.sh``).
+        max_model_len: longest prompt + generation the engine accepts, tokens.
+        kv_cache_gib: CPU KV-cache size per local engine, GiB (``VLLM_CPU_KVCACHE_SPACE``).
+        enforce_eager: skip torch.compile warm-up (start-up ~30 s instead of ~80 s on 2 cores).
+        extra_engine_args: more ``vllm.entrypoints.openai.api_server`` arguments, verbatim.
+        startup_timeout_s: seconds a local engine may take to answer /health.
+        request_timeout_s: seconds one generation request may take before the engine counts as
+            hung (the episode is requeued, the engine health-checked).
+        max_engine_restarts: restarts of a local engine that died before it is dropped.
+        run_dir: folder for engine logs and the weight-sync slots.
+    Sampling:
+        max_tokens_per_action: generation budget of one action, tokens.
+        temperature, top_p: sampling settings, recorded on every trajectory.
+        stop_token_ids: extra token ids that end an action, besides the episode format's own
+            (`EpisodeFormatter.stop_token_ids`: the end-of-action marker and eos).
+        seed: base seed of per-request sampling seeds (None: engine randomness).
+        max_turns: cap on actions per episode (the environment's max_steps also applies).
+        The prompt layout (full history or window) is the episode format's
+        (`sao_megatron.data.episode.EpisodeFormatConfig.context_mode`), not repeated here.
+    Off-policy control and batching:
+        max_staleness: no trained trajectory has train_version - min(policy_version) above this.
+        trajectories_per_batch: trajectories in one training batch (a multiple of
+            grpo_group_size).
+        grpo_group_size: trajectories sampled per task; 1 = SAO single trajectory.
+        max_concurrent_episodes: episodes in flight at once across all engines.
+        max_episode_attempts: times one task is attempted (engine faults, staleness aborts)
+            before it is given up and reported.
+        affinity_overload_factor: an episode stays on its engine (prefix cache) unless that
+            engine's outstanding tokens exceed this factor x (least-loaded engine's + one
+            request's budget).
+    """
+
+    engine_urls: list[str] = field(default_factory=list)
+    num_engines: int = 1
+    model_path: str = ""
+    dtype: str = "bfloat16"
+    vllm_python: str = ".venv-vllm/bin/python"
+    max_model_len: int = 4096
+    kv_cache_gib: int = 1
+    enforce_eager: bool = True
+    extra_engine_args: list[str] = field(default_factory=list)
+    startup_timeout_s: float = 300.0
+    request_timeout_s: float = 120.0
+    max_engine_restarts: int = 2
+    run_dir: str = "runs/rollout"
+
+    max_tokens_per_action: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+    max_turns: int = 1000
+
+    max_staleness: int = 1
+    trajectories_per_batch: int = 16
+    grpo_group_size: int = 1
+    max_concurrent_episodes: int = 16
+    max_episode_attempts: int = 3
+    affinity_overload_factor: float = 2.0
+
+    def __post_init__(self) -> None:
+        def bad(name: str, rule: str) -> ValueError:
+            return ValueError(f"rollout.{name}={getattr(self, name)!r}: {rule}")
+
+        self.engine_urls = list(self.engine_urls)
+        for url in self.engine_urls:
+            if not url.startswith(("http://", "https://")):
+                raise bad("engine_urls", f"{url!r} must start with http:// or https://")
+        if self.num_engines < 1:
+            raise bad("num_engines", "must be >= 1")
+        if self.dtype not in _DTYPES:
+            raise bad("dtype", f"use one of {list(_DTYPES)}")
+        for name in (
+            "max_model_len",
+            "kv_cache_gib",
+            "max_tokens_per_action",
+            "max_turns",
+            "trajectories_per_batch",
+            "grpo_group_size",
+            "max_concurrent_episodes",
+            "max_episode_attempts",
+        ):
+            if getattr(self, name) < 1:
+                raise bad(name, "must be >= 1")
+        for name in ("startup_timeout_s", "request_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise bad(name, "must be > 0 seconds")
+        if self.max_engine_restarts < 0:
+            raise bad("max_engine_restarts", "must be >= 0")
+        if not self.temperature > 0:
+            raise bad("temperature", "must be > 0 (greedy decoding has no behaviour log-probs)")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1]")
+        if self.max_staleness < 0:
+            raise bad("max_staleness", "must be >= 0 (0 = strictly on-policy)")
+        if self.trajectories_per_batch % self.grpo_group_size:
+            raise bad(
+                "trajectories_per_batch",
+                f"must be a multiple of rollout.grpo_group_size={self.grpo_group_size}",
+            )
+        if self.max_tokens_per_action >= self.max_model_len:
+            raise bad(
+                "max_tokens_per_action", f"must be < rollout.max_model_len={self.max_model_len}"
+            )
+        if not self.affinity_overload_factor >= 1:
+            raise bad("affinity_overload_factor", "must be >= 1")
+
+    @property
+    def launches_engines(self) -> bool:
+        """True when the rollout starts local engines (no `engine_urls` given)."""
+        return not self.engine_urls

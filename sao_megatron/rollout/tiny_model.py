@@ -1,0 +1,78 @@
+"""Write a tiny random Qwen3-MoE checkpoint in Hugging Face format, for tests and benchmarks.
+
+Run it with the vLLM virtualenv's Python (it has transformers), from the repository root:
+
+    PYTHONPATH=. .venv-vllm/bin/python -m sao_megatron.rollout.tiny_model OUT_DIR [--seed 0]
+
+The shape suits both Megatron and vLLM's CPU backend (DESIGN.md section 5): head_dim 64 (a head
+size the CPU attention kernel takes), 8 experts top-2, MoE ffn 128 (a multiple of 32, so the CPU
+MoE kernel packs the experts without padding). About 3M parameters. No tokenizer files are
+written: the rollout is token-in/token-out and the server runs with ``--skip-tokenizer-init``;
+the byte-level vocabulary of `ByteTokenizer` (ids 0..258) fits in ``vocab_size``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+TINY_QWEN3_MOE = dict(
+    vocab_size=320,
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=256,
+    moe_intermediate_size=128,
+    num_experts=8,
+    num_experts_per_tok=2,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    norm_topk_prob=True,
+    max_position_embeddings=4096,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def write_tiny_qwen3_moe(out_dir: str | Path, seed: int = 0, init_std: float = 0.1) -> Path:
+    """Save a randomly initialised tiny Qwen3-MoE (fp32 safetensors + config.json) to `out_dir`.
+
+    Args:
+        out_dir: folder to create (or overwrite files in).
+        seed: torch seed of the random init (same seed -> same weights).
+        init_std: std of the normal init of all matrices; larger than the usual 0.02 so that the
+            next-token distributions are far from uniform and sampling tests see distinct tokens.
+    Returns the folder path.
+    """
+    import torch
+    from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(**TINY_QWEN3_MOE, initializer_range=init_std)
+    model = Qwen3MoeForCausalLM(config).to(torch.float32).eval()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(out)
+    (out / "sao_tiny_model.json").write_text(json.dumps({"seed": seed, "init_std": init_std}))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--init-std", type=float, default=0.1)
+    args = parser.parse_args()
+    print(write_tiny_qwen3_moe(args.out_dir, seed=args.seed, init_std=args.init_std))
+
+
+if __name__ == "__main__":
+    main()

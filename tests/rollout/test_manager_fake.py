@@ -1,0 +1,142 @@
+"""RolloutManager against in-process fake engines: batching, GRPO groups, weight-sync protocol,
+faults (dead/hung engines, env exceptions, malformed replies) and the staleness bound."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from sao_megatron.rollout.config import RolloutConfig
+from sao_megatron.rollout.manager import RolloutManager, Task, round_robin_tasks
+from tests.rollout.fakes import CountEnv, FakeEngine, FakeEngineClient, make_formatter
+
+
+@pytest.fixture
+def fakes():
+    engines = {f"http://fake{i}": FakeEngine(f"engine{i}") for i in range(2)}
+    FakeEngineClient.registry = engines
+    yield list(engines.values())
+    FakeEngineClient.registry = {}
+
+
+def make_manager(tmp_path, tasks=None, **overrides) -> RolloutManager:
+    kw = dict(
+        engine_urls=["http://fake0", "http://fake1"],
+        run_dir=str(tmp_path),
+        max_model_len=1024,
+        max_tokens_per_action=16,
+        trajectories_per_batch=4,
+        max_concurrent_episodes=8,
+        max_staleness=1,
+        request_timeout_s=2.0,
+        startup_timeout_s=0.5,
+        seed=0,
+    )
+    kw.update(overrides)
+    tasks = tasks if tasks is not None else round_robin_tasks({"count": CountEnv})
+    return RolloutManager(
+        RolloutConfig(**kw), make_formatter(), tasks, client_factory=FakeEngineClient
+    )
+
+
+def finite_tasks(n, **env_kw):
+    return [Task(task_id=f"t{i}", make_env=lambda: CountEnv(**env_kw), seed=i) for i in range(n)]
+
+
+def test_batches_versions_and_weight_sync_protocol(fakes, tmp_path):
+    with make_manager(tmp_path) as m:
+        b0 = m.get_batch(train_version=0, timeout=10)
+        assert len(b0) == 4 and len({t.task_id for t in b0}) == 4
+        assert all(v == 0 for t in b0 for n in t.nodes for v in n.policy_versions)
+        res = m.publish_weights({"w": torch.zeros(2)}, version=1)
+        assert sorted(r.engine for r in res.reports) == ["engine0", "engine1"]
+        assert all(e.version == "1" and e.reloads == [res.path] for e in fakes)
+        assert all(r.pause_s >= 0 for r in res.reports) and not res.failed_engines
+        seen_new = False
+        for step in range(1, 4):
+            batch = m.get_batch(train_version=step, timeout=10)
+            assert all(step - t.min_policy_version <= 1 for t in batch)
+            seen_new |= any(t.max_policy_version == 1 for t in batch)
+            m.publish_weights({"w": torch.full((2,), float(step))}, version=step + 1)
+        assert seen_new
+        stats = m.stats()
+        assert stats["rollout/trajectories"] >= 16 and stats["engine/engine0/num_requests"] > 0
+
+
+def test_grpo_groups_are_contiguous_and_complete(fakes, tmp_path):
+    with make_manager(tmp_path, trajectories_per_batch=8, grpo_group_size=4) as m:
+        batch = m.get_batch(0, timeout=10)
+    ids = [t.task_id for t in batch]
+    assert ids[:4] == [ids[0]] * 4 and ids[4:] == [ids[4]] * 4 and ids[0] != ids[4]
+    assert [t.group_index for t in batch] == [0, 1, 2, 3, 0, 1, 2, 3]
+
+
+def test_dead_engine_loses_no_task_and_counts_none_twice(fakes, tmp_path):
+    n = 24
+    with make_manager(
+        tmp_path, tasks=finite_tasks(n, max_len=4), max_concurrent_episodes=8, max_staleness=100
+    ) as m:
+        for e in fakes:
+            e.token_latency_s = 0.01
+        got = m.get_batch(0, timeout=10)
+        fakes[1].mode = "dead"  # dies with requests in flight; no restart possible (remote)
+        for _ in range(n // 4 - 1):
+            got += m.get_batch(0, timeout=20)
+        deadline = time.monotonic() + 5  # remote engine: dropped after startup_timeout_s
+        while not m.counters["engines_dropped"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert m.counters["requeued_engine"] >= 1 and m.counters["engines_dropped"] == 1
+        assert m.router.loads[1].healthy is False
+    assert sorted(t.task_id for t in got) == sorted(f"t{i}" for i in range(n))
+
+
+def test_hung_engine_times_out_and_recovers(fakes, tmp_path):
+    with make_manager(
+        tmp_path, tasks=finite_tasks(12), request_timeout_s=0.3, max_staleness=100
+    ) as m:
+        fakes[0].mode = "hang"
+        got = m.get_batch(0, timeout=20)
+        fakes[0].mode = "ok"
+        got += m.get_batch(0, timeout=20) + m.get_batch(0, timeout=20)
+        assert m.counters["requeued_engine"] >= 1
+    assert sorted(t.task_id for t in got) == sorted(f"t{i}" for i in range(12))
+
+
+def test_env_exception_and_malformed_reply_drop_only_that_episode(fakes, tmp_path):
+    tasks = [
+        Task(
+            task_id=f"t{i}",
+            make_env=(lambda i=i: CountEnv(max_len=3, raise_on_step=1 if i % 4 == 0 else None)),
+            seed=i,
+        )
+        for i in range(20)
+    ]
+    with make_manager(tmp_path, tasks=tasks, max_staleness=100) as m:
+        got = m.get_batch(0, timeout=10) + m.get_batch(0, timeout=10)
+        fakes[1].mode = "malformed"
+        got += m.get_batch(0, timeout=10)
+        assert m.counters["failed_groups"] >= 5
+    ids = [t.task_id for t in got]
+    assert len(ids) == len(set(ids)) == 12
+    assert not {f"t{i}" for i in range(0, 20, 4)} & set(ids)
+
+
+def test_staleness_bound_holds_under_a_slow_trainer(fakes, tmp_path):
+    with make_manager(
+        tmp_path,
+        tasks=finite_tasks(400, max_len=5),
+        max_staleness=1,
+        trajectories_per_batch=4,
+        max_concurrent_episodes=8,
+    ) as m:
+        lags = []
+        for step in range(5):
+            batch = m.get_batch(train_version=step, timeout=20)
+            lags += [step - t.min_policy_version for t in batch]
+            time.sleep(0.3)  # slow trainer: the rollout would run far ahead without the rule
+            m.publish_weights({"w": torch.zeros(1)}, version=step + 1)
+            started = m.buffer.num_started()
+            assert started <= (step + 1 + 1 + 1) * 4  # AReaL capacity (v + eta + 1) * B
+        assert 0 <= min(lags) and max(lags) <= 1
