@@ -14,6 +14,7 @@ reference. Prints a markdown table of the median wall time over --repeats runs.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import time
@@ -107,7 +108,8 @@ def main() -> None:
         f"# batch={b} nodes={args.nodes} T={t_len} action tokens/row="
         f"{int(bt['action_mask'][0].sum())} device={args.device} "
         f"torch={torch.__version__} threads={torch.get_num_threads()} "
-        f"cpu={platform.processor() or platform.machine()}"
+        f"cpu={platform.processor() or platform.machine()} "
+        f"loadavg_1min={os.getloadavg()[0]:.1f}"
     )
     rows = []
     for gran in ("action_token", "node_last_token", "node_mean"):
