@@ -4,7 +4,8 @@ checkpoint's tokenizer against the configured one.
 Exact round trip. `train_sentencepiece` uses ``normalization_rule_name="identity"``,
 ``remove_extra_whitespaces=False``, ``add_dummy_prefix=False`` and ``byte_fallback=True``, so
 ``decode(encode(s)) == s`` for every string (tabs, repeated spaces, newlines, any unicode: unseen
-characters become UTF-8 byte pieces). Digits are split into single tokens by default.
+characters become UTF-8 byte pieces; a literal "▁", sentencepiece's space symbol, is encoded as
+bytes). Digits are split into single tokens by default.
 
 Special tokens: ids 0..3 are ``<pad>``, ``<s>`` (bos), ``</s>`` (eos), ``<unk>``; then the
 episode markers (`sao_megatron.data.episode`: ``<|obs|>``, ``<|act|>``, ``<|eoa|>``) as
@@ -21,6 +22,7 @@ import hashlib
 import io
 import json
 import os
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -45,6 +47,10 @@ class TokenizerConfig:
         model_type: sentencepiece algorithm, "bpe" or "unigram".
         user_defined_symbols: strings kept as single tokens; must include the episode markers.
         split_digits: split numbers into single-digit tokens (helps small models with arithmetic).
+        hard_vocab_limit: True: training fails unless the corpus yields exactly `vocab_size`
+            pieces. False (default): `vocab_size` is an upper bound; templated task corpora have
+            few distinct pieces, so the trained vocabulary may be smaller (a warning says so).
+            Always size the model's embedding from `tokenizer.vocab_size`.
         num_threads: sentencepiece trainer threads.
     """
 
@@ -54,6 +60,7 @@ class TokenizerConfig:
     model_type: str = "bpe"
     user_defined_symbols: list[str] = field(default_factory=lambda: list(EPISODE_MARKERS))
     split_digits: bool = True
+    hard_vocab_limit: bool = False
     num_threads: int = 2
 
     def __post_init__(self) -> None:
@@ -127,9 +134,24 @@ class SentencePieceTokenizer:
         self.bos_id = _none_if_neg(self.sp.bos_id())
         self.eos_id = _none_if_neg(self.sp.eos_id())
         self.pad_id = _none_if_neg(self.sp.pad_id())
+        # sentencepiece reads a literal U+2581 ("▁") in the input as its whitespace symbol, so it
+        # would decode as " ". We encode it as its UTF-8 byte pieces instead (byte_fallback models),
+        # which decode back to "▁": the round trip stays exact.
+        meta_bytes = [self.token_to_id(f"<0x{b:02X}>") for b in "\u2581".encode()]
+        self._meta_ids: list[int] | None = (
+            [i for i in meta_bytes if i is not None] if None not in meta_bytes else None
+        )
 
     def encode(self, text: str) -> list[int]:
-        return list(self.sp.encode(text, out_type=int))
+        if "\u2581" not in text or self._meta_ids is None:
+            return list(self.sp.encode(text, out_type=int))
+        out: list[int] = []
+        for k, part in enumerate(text.split("\u2581")):
+            if k:
+                out += self._meta_ids
+            if part:
+                out += self.sp.encode(part, out_type=int)
+        return out
 
     def decode(self, ids: list[int]) -> str:
         return self.sp.decode([int(i) for i in ids])
@@ -201,7 +223,8 @@ def train_sentencepiece(lines: Iterable[str], config: TokenizerConfig) -> Senten
 
     `lines` are training sentences; text containing newlines should be split into lines first
     (newlines and tabs still encode, as byte pieces). Deterministic for the same lines/config.
-    Raises ValueError if the corpus is too small for `config.vocab_size`.
+    Raises ValueError if the corpus is too small for `config.vocab_size` with
+    `hard_vocab_limit=True`; warns (UserWarning) when the soft limit gives a smaller vocabulary.
     """
     if config.kind != "sentencepiece":
         raise ValueError(
@@ -223,7 +246,9 @@ def train_sentencepiece(lines: Iterable[str], config: TokenizerConfig) -> Senten
             byte_fallback=True,
             character_coverage=1.0,
             split_digits=config.split_digits,
+            hard_vocab_limit=config.hard_vocab_limit,
             allow_whitespace_only_pieces=True,
+            required_chars="\u2581",  # the escaped space must be a piece even if no line has one
             user_defined_symbols=list(config.user_defined_symbols),
             pad_id=0,
             bos_id=1,
@@ -240,7 +265,14 @@ def train_sentencepiece(lines: Iterable[str], config: TokenizerConfig) -> Senten
             f"sentencepiece training failed (tokenizer.vocab_size={config.vocab_size}, "
             f"{len(sentences)} lines): {e}. Lower vocab_size or generate a larger corpus"
         ) from e
-    return SentencePieceTokenizer(buf.getvalue())
+    tok = SentencePieceTokenizer(buf.getvalue())
+    if tok.vocab_size < config.vocab_size:
+        warnings.warn(
+            f"tokenizer.vocab_size={config.vocab_size} is an upper bound (hard_vocab_limit=False): "
+            f"the corpus of {len(sentences)} lines yielded {tok.vocab_size} pieces",
+            stacklevel=2,
+        )
+    return tok
 
 
 def tokenizer_fingerprint(tokenizer: Tokenizer) -> dict[str, object]:

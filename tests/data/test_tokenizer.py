@@ -1,5 +1,6 @@
 import json
 import os
+import random
 
 import pytest
 
@@ -27,6 +28,8 @@ EXTRA_LINES = [
     "line one\nline two\n\nline four",
     "<|obs|>A: 3 2 1\nB:\nC:<|act|>A->C<|eoa|>",
     "\\boxed{\\frac{1}{2}} $x^2$",
+    "literal \u2581 lower-one-eighth block\u2581\u2581x\u2581",
+    "\u2581",
 ]
 
 
@@ -48,7 +51,7 @@ def corpus():
 
 @pytest.fixture(scope="module")
 def tok(corpus):
-    return train_sentencepiece(corpus, TokenizerConfig(vocab_size=600))
+    return train_sentencepiece(corpus, TokenizerConfig(vocab_size=600, hard_vocab_limit=True))
 
 
 def test_round_trips_every_generated_line_exactly(tok, corpus):
@@ -57,6 +60,14 @@ def test_round_trips_every_generated_line_exactly(tok, corpus):
         ids = tok.encode(line)
         assert all(0 <= i < tok.vocab_size for i in ids)
         assert tok.decode(ids) == line
+
+
+def test_round_trips_random_strings(tok):
+    rng = random.Random(0)
+    pool = "ab Z09 \t\n\r  é日🙂\u2581<|>-\\$" + "".join(chr(c) for c in range(0x20, 0x7F))
+    for _ in range(300):
+        text = "".join(rng.choice(pool) for _ in range(rng.randint(0, 40)))
+        assert tok.decode(tok.encode(text)) == text
 
 
 def test_special_tokens_and_markers(tok):
@@ -72,7 +83,7 @@ def test_special_tokens_and_markers(tok):
 
 
 def test_training_is_deterministic(tok, corpus):
-    again = train_sentencepiece(corpus, TokenizerConfig(vocab_size=600))
+    again = train_sentencepiece(corpus, TokenizerConfig(vocab_size=600, hard_vocab_limit=True))
     assert again.sha256() == tok.sha256()
     unigram = train_sentencepiece(corpus, TokenizerConfig(vocab_size=380, model_type="unigram"))
     for line in corpus[:200] + EXTRA_LINES:
@@ -91,7 +102,7 @@ def test_save_load_and_checkpoint_match(tok, corpus, tmp_path):
     assert load_tokenizer_from_config(TokenizerConfig(path=ckpt)).sha256() == tok.sha256()
     check_tokenizer_match(ckpt, loaded)  # no error
 
-    other = train_sentencepiece(corpus, TokenizerConfig(vocab_size=700))
+    other = train_sentencepiece(corpus, TokenizerConfig(vocab_size=700, hard_vocab_limit=True))
     with pytest.raises(
         ValueError, match=r"tokenizer mismatch.*vocab_size: checkpoint=600 configured=700"
     ):
@@ -122,7 +133,13 @@ def test_config_errors_name_the_field(corpus):
     with pytest.raises(ValueError, match="tokenizer.path is None"):
         load_tokenizer_from_config(TokenizerConfig())
     with pytest.raises(ValueError, match="Lower vocab_size"):
-        train_sentencepiece(["tiny corpus"], TokenizerConfig(vocab_size=5000))
+        train_sentencepiece(
+            ["tiny corpus"], TokenizerConfig(vocab_size=5000, hard_vocab_limit=True)
+        )
+    with pytest.warns(UserWarning, match=r"yielded 2[6-9][0-9] pieces"):
+        small = train_sentencepiece(["tiny\tcorpus"] * 3, TokenizerConfig(vocab_size=5000))
+    assert 256 + 7 < small.vocab_size < 300
+    assert small.decode(small.encode("tiny  corpus ü")) == "tiny  corpus ü"
     with pytest.raises(ValueError, match="does not exist"):
         SentencePieceTokenizer("/nonexistent/tokenizer.model")
 
