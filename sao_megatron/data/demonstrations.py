@@ -22,7 +22,8 @@ class DemonstrationConfig:
     """Which demonstrations to generate.
 
     Fields:
-        envs: environments to draw from (each an EnvSpec: name + options).
+        envs: environments to draw from (each an EnvSpec: name + options); default: chain_sum
+            and hanoi (H=50).
         num_episodes: episodes per environment (>= 1).
         seed: base seed; episode seeds derive from it, the env index and the episode index.
         noise_epsilon: probability of a deliberate legal-but-wrong action per step for
@@ -31,7 +32,9 @@ class DemonstrationConfig:
             context only, the model learns the recovery that follows them).
     """
 
-    envs: list[EnvSpec] = field(default_factory=list)
+    envs: list[EnvSpec] = field(
+        default_factory=lambda: [EnvSpec(name="chain_sum"), EnvSpec(name="hanoi")]
+    )
     num_episodes: int = 100
     seed: int = 0
     noise_epsilon: float = 0.0

@@ -288,6 +288,43 @@ class EpisodeBuilder:
         return out
 
 
+def build_trajectory(
+    formatter: EpisodeFormatter,
+    task_id: str,
+    observations: list[str],
+    action_token_ids: list[list[int]],
+    behaviour_logprobs: list[list[float]],
+    policy_versions: list[list[int]],
+    rewards: list[float],
+    *,
+    terminated: bool,
+    truncated: bool,
+    **fields,
+) -> Trajectory:
+    """A `Trajectory` from a finished episode's lists (same as replaying it in an EpisodeBuilder).
+
+    observations[n] was shown before action n (observations[0] = reset()'s text); len is the
+    number of actions (the final observation after the last action is not part of it). Extra
+    keyword fields go to `Trajectory` (temperature, top_p, group_index, info).
+    Raises ValueError on length mismatches.
+    """
+    num = len(action_token_ids)
+    lens = (len(observations), len(behaviour_logprobs), len(policy_versions), len(rewards))
+    if any(k != num for k in lens):
+        raise ValueError(
+            f"build_trajectory: {num} actions but (observations, behaviour_logprobs, "
+            f"policy_versions, rewards) have lengths {lens}"
+        )
+    builder = formatter.new_episode(task_id, observations[0])
+    for n in range(num):
+        if n:
+            builder.add_observation(observations[n])
+        builder.add_action(
+            action_token_ids[n], behaviour_logprobs[n], policy_versions[n], rewards[n]
+        )
+    return builder.to_trajectory(terminated=terminated, truncated=truncated, **fields)
+
+
 def _sequence(ids: list[int], mask: list[bool], node: list[int]) -> TokenSequence:
     t = len(ids)
     return TokenSequence(

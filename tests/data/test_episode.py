@@ -4,7 +4,12 @@ import pytest
 import torch
 
 from sao_megatron.data.demonstrations import DemonstrationConfig, corpus_lines
-from sao_megatron.data.episode import EpisodeFormatConfig, EpisodeFormatter, episode_text
+from sao_megatron.data.episode import (
+    EpisodeFormatConfig,
+    EpisodeFormatter,
+    build_trajectory,
+    episode_text,
+)
 from sao_megatron.data.tokenizer import TokenizerConfig, train_sentencepiece
 from sao_megatron.envs import EnvSpec, make_env
 
@@ -67,6 +72,31 @@ def test_full_history_trajectory_matches_episode_text(tok):
     for n, s in enumerate(starts.tolist()):
         assert contexts[n] == seq.token_ids[:s].tolist()
     assert all(n.context_token_ids is None for n in traj.nodes)
+    again = build_trajectory(
+        fmt,
+        traj.task_id,
+        observations,
+        [n.action_token_ids for n in traj.nodes],
+        [n.behaviour_logprobs for n in traj.nodes],
+        [n.policy_versions for n in traj.nodes],
+        [n.reward for n in traj.nodes],
+        terminated=True,
+        truncated=False,
+        info={"x": 1},
+    )
+    assert again == traj
+    with pytest.raises(ValueError, match="build_trajectory"):
+        build_trajectory(
+            fmt,
+            "t",
+            observations[:-1],
+            [[1]] * 12,
+            [[0.0]] * 12,
+            [[0]] * 12,
+            [0.0] * 12,
+            terminated=True,
+            truncated=False,
+        )
 
 
 @pytest.mark.parametrize("window", [0, 1, 3, 100])

@@ -61,3 +61,25 @@ def test_env_spec_validation():
         EnvSpec(name="hanoi", weight=0)
     env = EnvSpec(name="hanoi", options={"horizon": 9}).build()
     assert env.max_steps == 9
+
+
+def test_configs_fill_from_yaml_with_omegaconf():
+    from omegaconf import OmegaConf
+
+    from sao_megatron.data.demonstrations import DemonstrationConfig
+    from sao_megatron.data.episode import EpisodeFormatConfig
+    from sao_megatron.data.tokenizer import TokenizerConfig
+    from sao_megatron.envs.hanoi import HanoiConfig
+    from sao_megatron.envs.reasoning_gym_tasks import ReasoningGymConfig
+
+    yaml = OmegaConf.create(
+        "envs:\n- {name: hanoi, options: {horizon: 200}}\n"
+        "- {name: chain_sum, options: {difficulty: {max_digits: 2}}}\nnum_episodes: 3\n"
+    )
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DemonstrationConfig), yaml))
+    assert cfg.num_episodes == 3 and [e.build().name for e in cfg.envs] == ["hanoi", "chain_sum"]
+    assert cfg.envs[0].build().max_steps == 200
+    for cls in [HanoiConfig, ReasoningGymConfig, TokenizerConfig, EpisodeFormatConfig]:
+        assert isinstance(OmegaConf.to_object(OmegaConf.structured(cls)), cls)
+    with pytest.raises(ValueError, match="hanoi.horizon"):
+        OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(HanoiConfig), {"horizon": -3}))
