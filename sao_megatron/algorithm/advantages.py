@@ -72,7 +72,7 @@ def length_adaptive_lambda(lengths: torch.Tensor, alpha: float) -> torch.Tensor:
     """VAPO length-adaptive lambda: clamp(1 - 1 / (alpha * l), 0, 1) per row.
 
     Source: Yue et al. 2025, VAPO (arXiv 2504.05118), section 3.2, lambda_policy = 1 - 1/(alpha l).
-    Args: lengths [B] int (GAE steps of each row; rows of length 0 get 0), alpha > 0.
+    Args: lengths [B] int, GAE steps per row (0 is treated as 1: such a row has no step), alpha > 0.
     Returns: [B] float64.
     """
     lengths = lengths.to(torch.float64).clamp(min=1.0)
