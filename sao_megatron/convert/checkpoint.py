@@ -326,11 +326,8 @@ def convert_megatron_to_hf(
         FileNotFoundError, ValueError: see :func:`read_metadata`, :func:`load_converted_checkpoint`.
         FileExistsError: ``out_dir`` not empty and ``overwrite`` False.
     """
-    from sao_megatron.convert.hf_io import atomic_output_dir
-    from sao_megatron.models.builders import build_policy
     from sao_megatron.models.config import MoEModelConfig
-    from sao_megatron.optim.config import PrecisionConfig
-    from sao_megatron.parallel import ParallelConfig, initialize_parallel
+    from sao_megatron.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 
     ckpt = Path(ckpt_dir)
     meta = read_metadata(ckpt)
@@ -339,8 +336,23 @@ def convert_megatron_to_hf(
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty: choose another --out or --overwrite")
-    if state is None:
+    owns_state = state is None
+    if owns_state:
         state = initialize_parallel(ParallelConfig())
+    try:
+        _export(ckpt, out, meta, spec, model_cfg, state, max_shard_bytes, overwrite)
+    finally:
+        if owns_state:
+            destroy_parallel()
+    return out.absolute()
+
+
+def _export(ckpt, out, meta, spec, model_cfg, state, max_shard_bytes, overwrite) -> None:
+    """Body of :func:`convert_megatron_to_hf` once the 1-rank world exists."""
+    from sao_megatron.convert.hf_io import atomic_output_dir
+    from sao_megatron.models.builders import build_policy
+    from sao_megatron.optim.config import PrecisionConfig
+
     if state.world_size != 1:
         raise ValueError(
             f"megatron-to-hf runs in one process (world size {state.world_size}); run it without "
@@ -356,4 +368,3 @@ def convert_megatron_to_hf(
         )
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
         copy_tokenizer_files(ckpt / HF_ASSETS_DIR, tmp)
-    return out.absolute()
