@@ -2,6 +2,7 @@
 
     python -m sao_megatron.envs list
     python -m sao_megatron.envs show hanoi --seed 3 --horizon 20 [--epsilon 0.1]
+    python -m sao_megatron.envs show all --horizon 5         # every registered environment
     python -m sao_megatron.envs show chain_sum --option difficulty='{"max_digits": 2}'
     python -m sao_megatron.envs show hanoi --tokenizer ckpt/  # also count tokens
 
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="print the registered environment names")
     show = sub.add_parser("show", help="print one sample episode of an environment")
-    show.add_argument("name", help=f"environment name, one of {registered_envs()}")
+    show.add_argument("name", help=f"'all' or an environment name, one of {registered_envs()}")
     show.add_argument("--seed", type=int, default=0, help="episode seed (default 0)")
     show.add_argument("--horizon", type=int, default=None, help="horizon H (Hanoi)")
     show.add_argument("--epsilon", type=float, default=0.0, help="noisy-gold wrong-move rate")
@@ -66,6 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "list":
         print("\n".join(registered_envs()))
         return 0
+    if args.name == "all":
+        rc = 0
+        for name in registered_envs():
+            if name == "reasoning_gym":
+                continue  # generic wrapper: needs dataset=...; chain_sum/basic_arithmetic show it
+            print(f"===== {name}")
+            rc = max(rc, main(["show", name, *_forwarded(args, name)]))
+        return rc
     options = dict(args.option)
     if args.horizon is not None:
         options["horizon"] = args.horizon
@@ -100,6 +109,18 @@ def main(argv: list[str] | None = None) -> int:
             print("--- last windowed context + action:")
             print(tok.decode(seqs[-1].token_ids.tolist()))
     return 0
+
+
+def _forwarded(args: argparse.Namespace, name: str) -> list[str]:
+    """The `show all` options that apply to environment `name` (horizon only to hanoi)."""
+    out = ["--seed", str(args.seed), "--epsilon", str(args.epsilon)]
+    if args.horizon is not None and name == "hanoi":
+        out += ["--horizon", str(args.horizon)]
+    if args.tokenizer:
+        out += ["--tokenizer", args.tokenizer]
+    if args.window is not None:
+        out += ["--window", str(args.window)]
+    return out
 
 
 if __name__ == "__main__":

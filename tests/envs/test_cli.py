@@ -35,3 +35,27 @@ def test_show_noisy_and_list_and_errors(capsys):
     assert rc == 0 and "hanoi" in out.split()
     rc = main(["show", "hanoi", "--option", "horizn=3"])
     assert rc == 2 and "unknown option" in capsys.readouterr().err
+
+
+def test_show_all_prints_every_environment():
+    rc, out = _run(["show", "all", "--horizon", "3", "--seed", "1"])
+    assert rc == 0
+    for name in ["babyai", "basic_arithmetic", "chain_sum", "hanoi"]:
+        assert f"===== {name}\n<|obs|>" in out and f"--- {name}:1:" in out
+    assert out.count("total reward 1.0") == 4
+
+
+def test_show_with_tokenizer_and_window(tmp_path):
+    from sao_megatron.data.demonstrations import DemonstrationConfig, train_tokenizer_for_envs
+    from sao_megatron.data.tokenizer import TokenizerConfig, save_tokenizer
+
+    tok = train_tokenizer_for_envs(
+        DemonstrationConfig(num_episodes=5), TokenizerConfig(vocab_size=320, hard_vocab_limit=True)
+    )
+    save_tokenizer(tok, str(tmp_path))
+    rc, out = _run(
+        ["show", "hanoi", "--horizon", "6", "--tokenizer", str(tmp_path), "--window", "1"]
+    )
+    assert rc == 0 and "--- tokens: [" in out
+    last_context = out.split("--- last windowed context + action:\n")[1]
+    assert last_context.count("<|eoa|>") == 2  # one earlier action in the window + the last one
