@@ -106,10 +106,12 @@ class EpisodeFormatter:
 
     # ---------------------------------------------------------------- text
     def prompt_text(self, first_observation: str) -> str:
+        """'<|obs|>' + system_prompt + first observation + '<|act|>' (bos not included)."""
         c = self.config
         return f"{c.observation_start}{c.system_prompt}{first_observation}{c.action_start}"
 
     def observation_text(self, observation: str) -> str:
+        """'<|obs|>' + observation + '<|act|>' for observations after the first."""
         return f"{self.config.observation_start}{observation}{self.config.action_start}"
 
     def episode_text(self, observations: list[str], actions: list[str]) -> str:

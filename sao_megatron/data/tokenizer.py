@@ -118,7 +118,10 @@ class Tokenizer(Protocol):
 
 
 class SentencePieceTokenizer:
-    """A sentencepiece model (from a file or serialized bytes)."""
+    """A sentencepiece model (from a file or serialized bytes); implements `Tokenizer`.
+
+    Raises ValueError if the model file does not exist.
+    """
 
     kind = "sentencepiece"
 
@@ -161,6 +164,7 @@ class SentencePieceTokenizer:
         return i if self.sp.id_to_piece(i) == piece and i != self.sp.unk_id() else None
 
     def id_to_piece(self, i: int) -> str:
+        """The sentencepiece piece of id `i` (e.g. '▁disk', '<0x0A>', '<|eoa|>')."""
         return self.sp.id_to_piece(int(i))
 
     def sha256(self) -> str:
@@ -173,7 +177,9 @@ class SentencePieceTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face tokenizer directory loaded with transformers.AutoTokenizer (local only)."""
+    """A Hugging Face tokenizer directory loaded with transformers.AutoTokenizer (local files
+    only); implements `Tokenizer`. encode adds no special tokens; decode keeps them and does not
+    clean up spaces. Raises ValueError without `transformers` or for a missing directory."""
 
     kind = "hf"
 
