@@ -234,6 +234,30 @@ def kl_per_token(
     raise ValueError(f"algorithm.kl_estimator={estimator!r}: use k1, k2, k3 or k3_is")
 
 
+def kl_loss(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    action_mask: torch.Tensor,
+    coef: float,
+    estimator: str = "k3",
+    behaviour_logprobs: torch.Tensor | None = None,
+    mode: str = "token_mean",
+    *,
+    num_tokens: int | torch.Tensor | None = None,
+    num_sequences: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """KL penalty term: coef * aggregate(kl_per_token(...)) over the action tokens.
+
+    Shapes [B, T]; off-mask entries are zeroed first. See `kl_per_token` for the estimators.
+    """
+    lp, ref = _zero_off(action_mask, logprobs, ref_logprobs)
+    blp = None if behaviour_logprobs is None else _zero_off(action_mask, behaviour_logprobs)[0]
+    per_token = kl_per_token(lp, ref, estimator, blp)
+    return coef * aggregate(
+        per_token, action_mask, mode, num_tokens=num_tokens, num_sequences=num_sequences
+    )
+
+
 def policy_loss(
     config: AlgorithmConfig,
     *,

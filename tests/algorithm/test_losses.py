@@ -14,6 +14,7 @@ from sao_megatron.algorithm.losses import (
     dis_policy_loss,
     entropy_from_logits,
     entropy_loss,
+    kl_loss,
     kl_per_token,
     policy_loss,
     ppo_clip_loss,
@@ -278,3 +279,23 @@ def test_policy_loss_dispatch_grpo():
     )
     with pytest.raises(ValueError, match="old_logprobs"):
         policy_loss(cfg, logprobs=lp, behaviour_logprobs=blp, advantages=adv, action_mask=mask)
+
+
+def test_kl_loss_aggregates_action_tokens_only():
+    mask, lp, blp, _ = make(6)
+    g = torch.Generator().manual_seed(8)
+    ref = lp + 0.2 * torch.randn(lp.shape, generator=g, dtype=torch.float64)
+    ref = torch.where(mask, ref, float("nan"))  # padding garbage must not leak
+    lp = lp.clone().requires_grad_(True)
+    got = kl_loss(lp, ref, mask, 0.1, "k3_is", blp)
+    per = torch.zeros(lp.shape, dtype=torch.float64)
+    for b in range(lp.shape[0]):
+        for t in range(lp.shape[1]):
+            if mask[b, t]:
+                x = max(min(float(ref[b, t] - lp.detach()[b, t]), 20.0), -20.0)
+                w = math.exp(max(min(float(lp.detach()[b, t] - blp[b, t]), 20.0), -20.0))
+                per[b, t] = w * (math.exp(x) - 1 - x)
+    expect = 0.1 * ref_aggregate(per, mask, "token_mean")
+    assert math.isclose(float(got.detach()), expect, rel_tol=1e-10)
+    got.backward()
+    assert torch.isfinite(lp.grad).all() and (lp.grad[~mask] == 0).all()
