@@ -14,7 +14,7 @@ from typing import Any
 from sao_megatron.data.episode import EpisodeFormatConfig, EpisodeFormatter, episode_text
 from sao_megatron.data.tokenizer import SentencePieceTokenizer, TokenizerConfig, train_sentencepiece
 from sao_megatron.data.trajectory import TokenSequence
-from sao_megatron.envs.base import Environment, EnvSpec, SupportsGoldAction
+from sao_megatron.envs.base import Environment, EnvSpec, SupportsGoldAction, task_id
 
 
 @dataclass(kw_only=True)
@@ -95,7 +95,7 @@ class Demonstration:
 
 
 def run_demonstration(
-    env: Environment, seed: int, *, noise_epsilon: float = 0.0, task_id: str | None = None
+    env: Environment, seed: int, *, noise_epsilon: float = 0.0, episode_task_id: str | None = None
 ) -> Demonstration:
     """Play one episode of `env` with its gold policy (noisy-gold if noise_epsilon > 0 and the
     env has `noisy_gold_action(rng, epsilon)`). Raises TypeError if the env has no gold policy."""
@@ -124,7 +124,7 @@ def run_demonstration(
         observations.append(result.observation)
     assert result is not None, "max_steps >= 1"
     return Demonstration(
-        task_id=task_id or f"{env.name}:{seed}",
+        task_id=episode_task_id or task_id(env.name, seed),
         env_name=env.name,
         seed=seed,
         observations=observations,
@@ -151,7 +151,10 @@ def generate_demonstrations(config: DemonstrationConfig) -> list[Demonstration]:
         for s in episode_seeds(config.seed, j, config.num_episodes):
             out.append(
                 run_demonstration(
-                    env, s, noise_epsilon=config.noise_epsilon, task_id=f"{spec.name}:{s}"
+                    env,
+                    s,
+                    noise_epsilon=config.noise_epsilon,
+                    episode_task_id=task_id(spec.name, s),
                 )
             )
     return out

@@ -16,6 +16,7 @@ from sao_megatron.envs.base import (
     make_env,
     register_env,
     registered_envs,
+    task_id,
 )
 
 if importlib.util.find_spec("minigrid") is not None:  # optional dependency
@@ -29,4 +30,5 @@ __all__ = [
     "make_env",
     "register_env",
     "registered_envs",
+    "task_id",
 ]

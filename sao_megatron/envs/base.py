@@ -93,6 +93,11 @@ def config_from_options(config_cls: type, options: dict[str, Any], where: str) -
     return config_cls(**options)
 
 
+def task_id(env_name: str, seed: int) -> str:
+    """The task id of an episode, ``f"{env_name}:{seed}"`` (GRPO groups samples by it)."""
+    return f"{env_name}:{seed}"
+
+
 EnvFactory = Callable[..., Environment]
 _REGISTRY: dict[str, EnvFactory] = {}
 
