@@ -12,7 +12,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, TypeVar, get_type_hints
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 T = TypeVar("T")
@@ -32,6 +32,7 @@ def load_config(schema: type[T], path: str | Path | None, overrides: list[str] =
             the message names the dotted field.
     """
     base = OmegaConf.structured(schema)
+    _reset_derived_fields(base)
     layers = []
     if path is not None:
         p = Path(path)
@@ -55,6 +56,29 @@ def load_config(schema: type[T], path: str | Path | None, overrides: list[str] =
     except OmegaConfBaseException as e:  # pragma: no cover - other OmegaConf failures
         raise ValueError(f"config error: {e}") from None
     return OmegaConf.to_object(merged)  # runs each dataclass's __post_init__
+
+
+def _reset_derived_fields(node: Any) -> None:
+    """Put fields that ``__post_init__`` derives back to their unset default in the base.
+
+    A config class lists such fields in a ``DERIVED_FIELDS`` class attribute (e.g.
+    ``ParallelConfig.expert_tp``, derived from ``tp`` when None). Building the structured base
+    runs ``__post_init__`` on the default instances, which would freeze the derived value
+    (expert_tp=1) before a YAML file or override changes what it derives from (tp=2). Resetting
+    them lets ``to_object`` derive them again from the final values.
+    """
+    if not isinstance(node, DictConfig):
+        return
+    cls = OmegaConf.get_type(node)
+    if cls is not None and dataclasses.is_dataclass(cls):
+        by_name = {f.name: f for f in dataclasses.fields(cls)}
+        for name in getattr(cls, "DERIVED_FIELDS", ()):
+            f = by_name[name]
+            node[name] = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    for key in node:
+        if OmegaConf.is_missing(node, key):
+            continue
+        _reset_derived_fields(node._get_node(key))
 
 
 def to_yaml(config: Any) -> str:

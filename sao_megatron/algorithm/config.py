@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 ALGORITHM_NAMES = ("sao", "grpo")
 ADVANTAGE_GRANULARITIES = ("action_token", "node_last_token", "node_mean")
@@ -42,6 +43,9 @@ class AlgorithmConfig:
 
     Raises ValueError (naming the field and the allowed values) on any invalid setting.
     """
+
+    #: fields __post_init__ fills from others when left None (see sao_megatron.configs)
+    DERIVED_FIELDS: ClassVar[tuple[str, ...]] = ("importance_weighting",)
 
     # --- which algorithm -------------------------------------------------------------------
     name: str = "sao"

@@ -69,8 +69,16 @@ class TrainBatch:
 
     def rows(self, index: torch.Tensor | slice) -> dict[str, torch.Tensor]:
         """The per-row tensors ([B, T] and [B]) restricted to `index` (a micro-batch)."""
-        names = ("token_ids", "position_ids", "loss_mask", "action_mask", "node_index",
-                 "behaviour_logprobs", "policy_versions", "row_trajectory")
+        names = (
+            "token_ids",
+            "position_ids",
+            "loss_mask",
+            "action_mask",
+            "node_index",
+            "behaviour_logprobs",
+            "policy_versions",
+            "row_trajectory",
+        )
         return {n: getattr(self, n)[index] for n in names}
 
     def micro_batches(self, micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
@@ -131,41 +139,17 @@ def pack_trajectories(
                     "needs at least one prompt token"
                 )
             rows.append((ti, seq))
-    seq_len = max(len(s) for _, s in rows)
-    seq_len = -(-seq_len // pad_to_multiple_of) * pad_to_multiple_of
-    num_rows, num_traj = len(rows), len(trajectories)
-
-    token_ids = torch.full((num_rows, seq_len), pad_token_id, dtype=torch.long)
-    position_ids = torch.zeros((num_rows, seq_len), dtype=torch.long)
-    loss_mask = torch.zeros((num_rows, seq_len), dtype=torch.bool)
-    action_mask = torch.zeros((num_rows, seq_len), dtype=torch.bool)
-    node_index = torch.full((num_rows, seq_len), -1, dtype=torch.long)
-    behaviour_logprobs = torch.zeros((num_rows, seq_len), dtype=torch.float32)
-    policy_versions = torch.full((num_rows, seq_len), -1, dtype=torch.long)
-    row_trajectory = torch.empty(num_rows, dtype=torch.long)
-    for r, (ti, seq) in enumerate(rows):
-        n = len(seq)
-        token_ids[r, :n] = seq.token_ids
-        position_ids[r, :n] = torch.arange(n)
-        loss_mask[r, :n] = True
-        action_mask[r, :n] = seq.action_mask
-        node_index[r, :n] = seq.node_index
-        behaviour_logprobs[r, :n] = seq.behaviour_logprobs
-        policy_versions[r, :n] = seq.policy_versions
-        row_trajectory[r] = ti
-
+    padded = pad_token_sequences(
+        [seq for _, seq in rows], pad_token_id=pad_token_id, pad_to_multiple_of=pad_to_multiple_of
+    )
+    row_trajectory = torch.tensor([ti for ti, _ in rows], dtype=torch.long)
+    num_traj = len(trajectories)
     max_nodes = max(len(t.nodes) for t in trajectories)
     node_rewards = torch.zeros((num_traj, max_nodes), dtype=torch.float32)
     for ti, traj in enumerate(trajectories):
         node_rewards[ti, : len(traj.nodes)] = torch.tensor([n.reward for n in traj.nodes])
     return TrainBatch(
-        token_ids=token_ids,
-        position_ids=position_ids,
-        loss_mask=loss_mask,
-        action_mask=action_mask,
-        node_index=node_index,
-        behaviour_logprobs=behaviour_logprobs,
-        policy_versions=policy_versions,
+        **padded,
         row_trajectory=row_trajectory,
         node_rewards=node_rewards,
         num_nodes=torch.tensor([len(t.nodes) for t in trajectories], dtype=torch.long),
@@ -174,6 +158,41 @@ def pack_trajectories(
         group_index=torch.tensor([t.group_index for t in trajectories], dtype=torch.long),
         temperature=trajectories[0].temperature,
     )
+
+
+def pad_token_sequences(
+    seqs: list[TokenSequence], *, pad_token_id: int, pad_to_multiple_of: int = 1
+) -> dict[str, torch.Tensor]:
+    """Right-pad token sequences into [B, T] tensors (T = longest, rounded up to a multiple).
+
+    Returns a dict with the per-row fields of `TrainBatch`: token_ids, position_ids, loss_mask,
+    action_mask, node_index (-1 on padding), behaviour_logprobs, policy_versions (-1 on padding).
+    Also used for supervised (SFT) sequences, whose action mask marks the trained tokens.
+    """
+    if not seqs:
+        raise ValueError("pad_token_sequences() got no sequences")
+    seq_len = max(len(s) for s in seqs)
+    seq_len = -(-seq_len // pad_to_multiple_of) * pad_to_multiple_of
+    shape = (len(seqs), seq_len)
+    out = {
+        "token_ids": torch.full(shape, pad_token_id, dtype=torch.long),
+        "position_ids": torch.zeros(shape, dtype=torch.long),
+        "loss_mask": torch.zeros(shape, dtype=torch.bool),
+        "action_mask": torch.zeros(shape, dtype=torch.bool),
+        "node_index": torch.full(shape, -1, dtype=torch.long),
+        "behaviour_logprobs": torch.zeros(shape, dtype=torch.float32),
+        "policy_versions": torch.full(shape, -1, dtype=torch.long),
+    }
+    for r, seq in enumerate(seqs):
+        n = len(seq)
+        out["token_ids"][r, :n] = seq.token_ids
+        out["position_ids"][r, :n] = torch.arange(n)
+        out["loss_mask"][r, :n] = True
+        out["action_mask"][r, :n] = seq.action_mask
+        out["node_index"][r, :n] = seq.node_index
+        out["behaviour_logprobs"][r, :n] = seq.behaviour_logprobs
+        out["policy_versions"][r, :n] = seq.policy_versions
+    return out
 
 
 def action_stream_index(batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,6 +247,7 @@ def scatter_from_streams(batch: TrainBatch, streams: torch.Tensor) -> torch.Tens
 __all__ = [
     "TrainBatch",
     "pack_trajectories",
+    "pad_token_sequences",
     "action_stream_index",
     "gather_to_streams",
     "scatter_from_streams",

@@ -45,3 +45,32 @@ def test_errors_name_the_field(tmp_path):
 
 def test_describe():
     assert describe(Job) == [("optim.lr", "0.001"), ("optim.steps", "10"), ("name", "'run'")]
+
+
+def test_job_config_derived_fields_follow_overrides():
+    """Fields derived in __post_init__ are derived again from the overridden values."""
+    from sao_megatron.trainer.job import JobConfig
+
+    base = load_config(JobConfig, None, [])
+    assert base.algorithm.importance_weighting == "dis_band"
+    cfg = load_config(
+        JobConfig,
+        None,
+        ["algorithm.name=grpo", "stages=[sft,rl]", "parallel.tp=2", "parallel.ep=2"],
+    )
+    assert cfg.algorithm.importance_weighting == "none"
+    assert cfg.parallel.expert_tp == 2
+    # the rollout buffer takes its group size and staleness bound from the algorithm
+    assert cfg.rollout.grpo_group_size == cfg.algorithm.grpo_group_size == 8
+    assert cfg.rollout.max_staleness == cfg.algorithm.max_staleness
+
+
+def test_job_config_cross_field_errors():
+    from sao_megatron.trainer.job import JobConfig
+
+    with pytest.raises(ValueError, match="value_pretrain"):
+        load_config(JobConfig, None, ["algorithm.name=grpo"])
+    with pytest.raises(ValueError, match="stages"):
+        load_config(JobConfig, None, ["stages=[rl,sft]"])
+    with pytest.raises(ValueError, match="tokenizer.vocab_size"):
+        load_config(JobConfig, None, ["tokenizer.vocab_size=4096"])

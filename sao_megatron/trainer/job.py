@@ -1,0 +1,244 @@
+"""The job config of `sao-train`: composes the component configs and checks cross-field rules.
+
+Each component validates its own fields; this module adds only the stage configs (SFT warm-up,
+value pre-training, RL) and the rules that span components. YAML files under
+`examples/configs/` fill it; dotted CLI overrides change single fields.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sao_megatron.algorithm.config import AlgorithmConfig
+from sao_megatron.data.demonstrations import DemonstrationConfig
+from sao_megatron.data.episode import EpisodeFormatConfig
+from sao_megatron.data.tokenizer import TokenizerConfig
+from sao_megatron.envs.base import EnvSpec
+from sao_megatron.models.config import MoEModelConfig
+from sao_megatron.models.freeze import VALUE_DEFAULT_FREEZE_PATTERNS
+from sao_megatron.optim.config import OptimizerConfig, PrecisionConfig
+from sao_megatron.parallel.config import ParallelConfig
+from sao_megatron.rollout.config import RolloutConfig
+from sao_megatron.trainer.checkpoint import CheckpointConfig
+from sao_megatron.trainer.metrics import LoggingConfig
+
+STAGES = ("sft", "value_pretrain", "rl")
+
+
+@dataclass(kw_only=True)
+class TasksConfig:
+    """Which tasks RL trains on and which held-out tasks it is evaluated on.
+
+    Fields:
+        train: environments RL samples tasks from (weighted by EnvSpec.weight).
+        eval: environments of the held-out evaluation (default: the train environments).
+        train_seed: base seed of the training task stream.
+        eval_seed: base seed of the held-out tasks; eval seeds are drawn from another stream
+            than train seeds (different base), so the two sets do not overlap in practice.
+        num_eval_tasks: held-out tasks per eval environment (0 disables evaluation).
+    """
+
+    train: list[EnvSpec] = field(default_factory=lambda: [EnvSpec(name="chain_sum")])
+    eval: list[EnvSpec] = field(default_factory=list)
+    train_seed: int = 0
+    eval_seed: int = 1_000_003
+    num_eval_tasks: int = 32
+
+    @property
+    def eval_envs(self) -> list[EnvSpec]:
+        """The held-out environments (the train environments when `eval` is empty)."""
+        return self.eval or self.train
+
+    def __post_init__(self) -> None:
+        self.train = [e if isinstance(e, EnvSpec) else EnvSpec(**e) for e in self.train]
+        self.eval = [e if isinstance(e, EnvSpec) else EnvSpec(**e) for e in self.eval]
+        if not self.train:
+            raise ValueError("tasks.train is empty: list at least one environment")
+        if self.train_seed == self.eval_seed:
+            raise ValueError("tasks.eval_seed equals tasks.train_seed: held-out tasks must differ")
+        if self.num_eval_tasks < 0:
+            raise ValueError(f"tasks.num_eval_tasks={self.num_eval_tasks}: must be >= 0")
+
+
+@dataclass(kw_only=True)
+class SFTConfig:
+    """Supervised warm-up on gold demonstrations (cross-entropy on action tokens).
+
+    Fields:
+        steps: optimiser steps (0 skips the stage).
+        batch_size: sequences per step (global, across data-parallel ranks).
+        micro_batch_size: sequences per forward/backward micro-batch.
+        optim: optimiser of this stage (its own LR schedule).
+    """
+
+    steps: int = 200
+    batch_size: int = 32
+    micro_batch_size: int = 8
+    optim: OptimizerConfig = field(
+        default_factory=lambda: OptimizerConfig(
+            lr=1e-3, warmup_steps=20, decay_style="cosine", decay_steps=200
+        )
+    )
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ValueError(f"sft.steps={self.steps}: must be >= 0")
+        if self.batch_size < 1 or self.micro_batch_size < 1:
+            raise ValueError("sft.batch_size and sft.micro_batch_size must be >= 1")
+
+
+@dataclass(kw_only=True)
+class ValueModelConfig:
+    """The critic: initialisation and which parameters stay frozen.
+
+    Fields:
+        freeze_patterns: regexes over parameter names (re.search) frozen in the value model;
+            default: self-attention and embeddings (DESIGN.md section 3).
+        head_init_std: std of the value head's normal initialisation.
+    """
+
+    freeze_patterns: list[str] = field(default_factory=lambda: list(VALUE_DEFAULT_FREEZE_PATTERNS))
+    head_init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.head_init_std < 0:
+            raise ValueError(f"value.head_init_std={self.head_init_std}: must be >= 0")
+
+
+@dataclass(kw_only=True)
+class ValuePretrainConfig:
+    """Cold-start the critic on rollouts of the frozen policy before RL.
+
+    Fields:
+        steps: value-only updates (0 skips the stage); each uses one rollout batch.
+    """
+
+    steps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ValueError(f"value_pretrain.steps={self.steps}: must be >= 0")
+
+
+@dataclass(kw_only=True)
+class RLConfig:
+    """The RL stage (SAO or the GRPO baseline, per algorithm.name).
+
+    Fields:
+        steps: policy updates (train steps).
+        micro_batch_size: rows per forward/backward micro-batch.
+        eval_interval: evaluate on the held-out tasks every this many steps (0 = only before
+            and after the stage).
+        batch_timeout_s: give up waiting for a rollout batch after this long (an error, not a
+            hang: the rollout log says why).
+    """
+
+    steps: int = 20
+    micro_batch_size: int = 4
+    eval_interval: int = 0
+    batch_timeout_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ValueError(f"rl.steps={self.steps}: must be >= 0")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"rl.micro_batch_size={self.micro_batch_size}: must be >= 1")
+        if self.eval_interval < 0:
+            raise ValueError(f"rl.eval_interval={self.eval_interval}: must be >= 0")
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    """Everything `sao-train` runs. Sections are the components' own configs.
+
+    Fields:
+        run_dir: where metrics, checkpoints, exported weights, logs and plots go.
+        stages: which stages to run, in order: any of "sft", "value_pretrain", "rl".
+        seed: base seed (parallel.seed is the Megatron RNG seed).
+    """
+
+    run_dir: str = "runs/default"
+    stages: list[str] = field(default_factory=lambda: list(STAGES))
+    seed: int = 0
+    model: MoEModelConfig = field(
+        default_factory=lambda: MoEModelConfig(
+            vocab_size=1024,
+            hidden_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=256,
+            max_position_embeddings=2048,
+        )
+    )
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    policy_optim: OptimizerConfig = field(
+        default_factory=lambda: OptimizerConfig(lr=1e-5, warmup_steps=0)
+    )
+    value_optim: OptimizerConfig = field(
+        default_factory=lambda: OptimizerConfig(lr=5e-5, warmup_steps=10)
+    )
+    value: ValueModelConfig = field(default_factory=ValueModelConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    episode: EpisodeFormatConfig = field(default_factory=EpisodeFormatConfig)
+    demonstrations: DemonstrationConfig = field(default_factory=DemonstrationConfig)
+    tasks: TasksConfig = field(default_factory=TasksConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    value_pretrain: ValuePretrainConfig = field(default_factory=ValuePretrainConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        bad = [s for s in self.stages if s not in STAGES]
+        if bad or not self.stages:
+            raise ValueError(f"stages={self.stages}: use a non-empty subset of {list(STAGES)}")
+        order = [STAGES.index(s) for s in self.stages]
+        if order != sorted(order) or len(set(order)) != len(order):
+            raise ValueError(f"stages={self.stages}: list each stage once, in the order {STAGES}")
+        if self.algorithm.name == "grpo" and "value_pretrain" in self.stages:
+            raise ValueError(
+                "stages contains value_pretrain but algorithm.name='grpo' has no value model; "
+                "remove it from stages"
+            )
+        if self.tokenizer.kind == "sentencepiece" and self.tokenizer.vocab_size > (
+            self.model.vocab_size
+        ):
+            raise ValueError(
+                f"tokenizer.vocab_size={self.tokenizer.vocab_size} exceeds model.vocab_size="
+                f"{self.model.vocab_size}: the embedding must hold every token id"
+            )
+        # The rollout buffer enforces the algorithm's staleness bound and group size.
+        group = self.algorithm.grpo_group_size if self.algorithm.name == "grpo" else 1
+        for name, want in (
+            ("max_staleness", self.algorithm.max_staleness),
+            ("grpo_group_size", group),
+        ):
+            have = getattr(self.rollout, name)
+            if have != want:
+                if have != getattr(RolloutConfig(), name):
+                    warnings.warn(
+                        f"rollout.{name}={have} is ignored: a job derives it from the algorithm "
+                        f"section ({want}); set it there",
+                        stacklevel=2,
+                    )
+                setattr(self.rollout, name, want)
+        if self.rollout.trajectories_per_batch % group:
+            raise ValueError(
+                f"rollout.trajectories_per_batch={self.rollout.trajectories_per_batch} is not a "
+                f"multiple of algorithm.grpo_group_size={group}"
+            )
+        self.rollout.temperature = float(self.rollout.temperature)
+
+    # Derived paths -----------------------------------------------------------------------
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run_dir)
