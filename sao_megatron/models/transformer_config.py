@@ -116,7 +116,6 @@ def build_transformer_config(
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=parallel.expert_tp,
         sequence_parallel=parallel.sequence_parallel,
-        variable_seq_lengths=True,
         # precision
         params_dtype=dtype,
         pipeline_dtype=dtype,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 
 @dataclass(kw_only=True)
@@ -13,15 +14,20 @@ class ParallelConfig:
     ``tp x dp x pp`` ranks; expert layers use ``expert_tp x ep x expert_dp x pp``.
     """
 
+    #: fields __post_init__ fills from others when left None (see sao_megatron.configs)
+    DERIVED_FIELDS: ClassVar[tuple[str, ...]] = ("expert_tp",)
+
     tp: int = 1
     """Tensor-model-parallel size (Megatron ``tensor_model_parallel_size``)."""
     pp: int = 1
     """Pipeline-model-parallel size (number of pipeline stages)."""
     ep: int = 1
     """Expert-model-parallel size (experts are split across this many ranks)."""
-    expert_tp: int = 1
-    """Tensor-parallel size inside each expert (Megatron ``expert_tensor_parallel_size``).
-    1 (the default) keeps experts whole, the usual choice for fine-grained MoE."""
+    expert_tp: int | None = None
+    """Tensor-parallel size inside each expert (Megatron ``expert_tensor_parallel_size``);
+    None = tp (Megatron's default). expert_tp=1 keeps experts whole (usual for fine-grained
+    MoE) but needs ep > 1 when tp > 1: with ep=1 Megatron-Core 0.16 treats expert weights as
+    dense params and never reduces their gradients over the TP ranks that share them."""
     sequence_parallel: bool = False
     """Shard activations along the sequence in TP regions. Required for MoE with tp > 1."""
     virtual_pp: int | None = None
@@ -30,10 +36,18 @@ class ParallelConfig:
     """Base seed for Megatron's model-parallel RNG tracker and torch."""
 
     def __post_init__(self) -> None:
+        if self.expert_tp is None:
+            self.expert_tp = self.tp
         for name in ("tp", "pp", "ep", "expert_tp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"parallel.{name}={value!r}: must be an integer >= 1")
+        if self.ep == 1 and self.expert_tp != self.tp:
+            raise ValueError(
+                f"parallel.expert_tp={self.expert_tp} differs from parallel.tp={self.tp} with "
+                "parallel.ep=1: Megatron-Core would not reduce expert gradients across the TP "
+                "ranks; set expert_tp=tp (or None) or use ep > 1"
+            )
         if self.sequence_parallel and self.tp == 1:
             raise ValueError(
                 "parallel.sequence_parallel=True needs parallel.tp > 1; set it to False for tp=1"

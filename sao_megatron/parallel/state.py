@@ -22,7 +22,7 @@ class ParallelState:
         platform: device/backend/TE choice of this process.
         world_size, rank: global torch.distributed values.
         dp: derived data-parallel size.
-        tp_rank, pp_rank, ep_rank, dp_rank: this rank's coordinates.
+        tp_rank, pp_rank, ep_rank, etp_rank, dp_rank: this rank's coordinates.
         pg_collection: Megatron ``ProcessGroupCollection`` with every group (tp, pp, dp, ep,
             expt_tp, expt_dp, dp_cp, tp_ep, ...), to pass explicitly to Megatron APIs.
     """
@@ -35,6 +35,7 @@ class ParallelState:
     tp_rank: int
     pp_rank: int
     ep_rank: int
+    etp_rank: int
     dp_rank: int
     pg_collection: object
 
@@ -47,6 +48,16 @@ class ParallelState:
     def is_last_pp_stage(self) -> bool:
         """True on the last pipeline stage (holds the output layer / value head)."""
         return self.pp_rank == self.cfg.pp - 1
+
+    def shard_coords(self) -> dict[str, int]:
+        """Keyword arguments of ``sao_megatron.models.sharding.shard_state_dict`` for this rank."""
+        return dict(
+            tp_rank=self.tp_rank,
+            tp_size=self.cfg.tp,
+            ep_rank=self.ep_rank,
+            etp_rank=self.etp_rank,
+            etp_size=self.cfg.expert_tp,
+        )
 
     def pre_post_process(self, vp_stage: int | None = None) -> tuple[bool, bool]:
         """``(pre_process, post_process)`` for a (virtual) pipeline stage of this rank."""
@@ -124,6 +135,7 @@ def initialize_parallel(cfg: ParallelConfig) -> ParallelState:
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         ep_rank=ps.get_expert_model_parallel_rank(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
     )

@@ -10,7 +10,8 @@ handlers are switched on by the individual workarounds.
 Workarounds (upstream = megatron-core 0.16.1, torch 2.13):
 
 - ``patch_cuda_device_queries``: ``torch.cuda.current_device()`` (tensor_parallel/layers.py,
-  mappings.py, moe/router.py, optimizer/...) raises without CUDA.
+  mappings.py, moe/router.py, optimizer/...) raises without CUDA; it now returns the CPU device
+  (this also covers factories that run in autograd backward, where modes are inactive).
 - ``map_cuda_tensors_to_cpu``: ``device="cuda"`` / ``device=<int>`` factories, ``.cuda()``,
   ``.to("cuda")`` and ``.pin_memory()`` (optimizer/optimizer.py, clip_grads.py,
   pipeline_parallel/schedules.py, param_and_grad_buffer.py, ...).
@@ -25,6 +26,8 @@ Workarounds (upstream = megatron-core 0.16.1, torch 2.13):
 - ``keep_alltoall_splits_as_numpy``: moe/moe_utils.py ``maybe_move_tensor_to_cpu`` converts the
   alltoall split sizes to numpy only for CUDA tensors; on CPU they stay tensors and
   ``torch.distributed.all_to_all_single`` (gloo) rejects tensor split sizes.
+- ``gather_variable_sizes_on_gloo``: tensor_parallel/mappings.py all-gathers unequal splits
+  (alltoall dispatcher with expert-TP > 1 and EP > 1); gloo's allgather needs equal sizes.
 
 Not handled here (by design): the default causal mask that DotProductAttention builds on CUDA
 (our forward helpers always pass an explicit mask); the torch norm that refuses sequence
@@ -139,20 +142,27 @@ def _set_attrs(obj: object, values: dict[str, object]) -> Undo:
 
 
 def patch_cuda_device_queries() -> Undo:
-    """``torch.cuda.current_device()`` -> 0 and ``set_device`` -> no-op (the index 0 is then
-    mapped to CPU by ``map_cuda_tensors_to_cpu``).
+    """``torch.cuda.current_device()`` -> ``torch.device("cpu")``; ``set_device`` -> no-op.
 
     Upstream (megatron-core 0.16.1): ``device=torch.cuda.current_device()`` in
     tensor_parallel/layers.py, tensor_parallel/mappings.py, moe/router.py, moe/experts.py,
     pipeline_parallel/p2p_communication.py, optimizer/distrib_optimizer.py; torch raises
-    "Torch not compiled with CUDA enabled" without a GPU.
+    "Torch not compiled with CUDA enabled" without a GPU. Returning a CPU *device* (not an
+    index) matters: several of these factories run inside autograd ``backward`` (e.g.
+    ``LinearWithGradAccumulationAndAsyncCommunication.backward`` gathering the sequence-parallel
+    input), where torch-function modes are not active, so ``map_cuda_tensors_to_cpu`` cannot
+    redirect them.
     """
-    return _set_attrs(torch.cuda, {"current_device": lambda: 0, "set_device": lambda device: None})
+    cpu = torch.device("cpu")
+    return _set_attrs(
+        torch.cuda, {"current_device": lambda: cpu, "set_device": lambda device: None}
+    )
 
 
 def map_cuda_tensors_to_cpu() -> Undo:
     """Route ``device="cuda"``/``device=<int>`` factories, ``.to("cuda")``, ``.cuda()`` and
-    ``.pin_memory()`` to CPU through a ``TorchFunctionMode``.
+    ``.pin_memory()`` to CPU through a ``TorchFunctionMode`` (active in the thread that enabled
+    it, outside autograd backward).
 
     Upstream (megatron-core 0.16.1): ``torch.zeros(..., device="cuda")`` in
     pipeline_parallel/schedules.py (``total_num_tokens``), optimizer/optimizer.py
@@ -349,6 +359,42 @@ def keep_alltoall_splits_as_numpy() -> Undo:
     return _set_attrs(token_dispatcher, {"maybe_move_tensor_to_cpu": maybe_move_tensor_to_cpu})
 
 
+def gather_variable_sizes_on_gloo() -> Undo:
+    """Variable-size all-gather over gloo groups: pad every split to the largest one,
+    ``all_gather_into_tensor``, then drop the padding.
+
+    Upstream (megatron-core 0.16.1) tensor_parallel/mappings.py ``_gather_along_first_dim``
+    with ``output_split_sizes`` calls ``torch.distributed.all_gather`` with unequal tensors;
+    gloo raises "ProcessGroupGloo::allgather: invalid tensor size". The alltoall token
+    dispatcher does this when expert_tensor_parallel_size > 1 and expert_model_parallel_size > 1
+    (tokens per rank differ after routing). Only gloo groups take the new path; the autograd
+    Functions in mappings.py look the name up at call time. (The matching variable-size
+    ``reduce_scatter`` works on gloo in torch 2.13, so it is left alone.)
+    """
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    upstream = mappings._gather_along_first_dim
+
+    def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if (
+            output_split_sizes is None
+            or group is None
+            or group.size() == 1
+            or dist.get_backend(group) != "gloo"
+        ):
+            return upstream(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        most = max(sizes)
+        padded = input_.new_zeros((most, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        out = input_.new_empty((most * len(sizes), *input_.shape[1:]))
+        dist.all_gather_into_tensor(out, padded, group=group)
+        return torch.cat([out[i * most : i * most + n] for i, n in enumerate(sizes)])
+
+    return _set_attrs(mappings, {"_gather_along_first_dim": _gather_along_first_dim})
+
+
 WORKAROUNDS: dict[str, Callable[[], Undo]] = {
     fn.__name__: fn
     for fn in (
@@ -359,6 +405,7 @@ WORKAROUNDS: dict[str, Callable[[], Undo]] = {
         define_missing_te_general_gemm,
         report_cuda_tensor_types_to_optimizer,
         keep_alltoall_splits_as_numpy,
+        gather_variable_sizes_on_gloo,
     )
 }
 """All workarounds by name, in installation order."""
