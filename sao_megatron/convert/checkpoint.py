@@ -279,7 +279,13 @@ def load_converted_checkpoint(
         if type(value).__name__ in ("ShardedTensor", "ShardedTensorFactory"):
             by_key.setdefault(value.key, []).append(name)
     missing = sorted(k for k in by_key if k not in meta)
-    unexpected = sorted(k for k in meta if k not in by_key)
+    # Other pipeline stages / expert ranks hold the rest: unexpected = in no rank's model.
+    all_keys = set(by_key)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, sorted(by_key))
+        all_keys = set().union(*gathered)
+    unexpected = sorted(k for k in meta if k not in all_keys)
     bad_missing = [k for k in missing if not any(re.search(p, k) for p in allow_missing)]
     bad_unexpected = [k for k in unexpected if not any(re.search(p, k) for p in allow_unexpected)]
     if bad_missing or bad_unexpected:

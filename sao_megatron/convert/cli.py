@@ -17,8 +17,9 @@ examples:
   sao-convert megatron-to-hf --ckpt ckpt/qwen3 --out exported/qwen3
 
 The Megatron checkpoint (dist_checkpointing) loads into any TP/PP/EP layout; --tp/--pp/--ep
-only choose how the conversion itself is split (memory per process). Without torchrun,
-hf-to-megatron starts pp*lcm(tp, ep) local processes itself. See docs/CONVERSION.md.
+only choose how the conversion itself is split (memory per process; experts are kept whole,
+expert_tp=1). Without torchrun, hf-to-megatron starts pp*lcm(tp, ep) local processes itself.
+See docs/CONVERSION.md.
 """
 
 
@@ -105,7 +106,9 @@ def _hf_to_megatron_rank(rank: int, args: argparse.Namespace, world: int, port: 
     from sao_megatron.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 
     state = initialize_parallel(
-        ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, sequence_parallel=args.tp > 1)
+        ParallelConfig(
+            tp=args.tp, pp=args.pp, ep=args.ep, expert_tp=1, sequence_parallel=args.tp > 1
+        )
     )
     try:
         out = convert_hf_to_megatron(
