@@ -27,7 +27,32 @@ from sao_megatron.convert.spec import ConversionSpec
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
+# Transformer Engine spec names (GPU) -> local spec names (Megatron-Core 0.16
+# gpt_layer_specs: norms fused into the next linear, grouped experts as weight{i}).
+_TE_NAMES = (
+    (re.compile(r"^self_attention\.linear_qkv\.layer_norm_weight$"), "input_layernorm.weight"),
+    (re.compile(r"^mlp\.linear_fc1\.layer_norm_weight$"), "pre_mlp_layernorm.weight"),
+    (
+        re.compile(r"^mlp\.experts\.linear_fc([12])\.weight(\d+)$"),
+        r"mlp.experts.local_experts.\2.linear_fc\1.weight",
+    ),
+)
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def local_spec_name(layer_param: str) -> str:
+    """Name of a decoder-layer parameter (relative to ``decoder.layers.{i}.``) in the local spec.
+
+    Transformer Engine specs fuse norms into the next linear (``linear_qkv.layer_norm_weight``,
+    ``mlp.linear_fc1.layer_norm_weight``) and store grouped experts as
+    ``mlp.experts.linear_fc1.weight{e}``; these become ``input_layernorm.weight``,
+    ``pre_mlp_layernorm.weight`` and ``mlp.experts.local_experts.{e}.linear_fc1.weight`` so one
+    name table serves both specs. Other names are returned unchanged.
+    """
+    for pattern, replacement in _TE_NAMES:
+        if pattern.match(layer_param):
+            return pattern.sub(replacement, layer_param)
+    return layer_param
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -73,10 +98,12 @@ def _rank(group: object | None) -> int:
 
 
 def param_slots(model: torch.nn.Module) -> list[ParamSlot]:
-    """Describe every parameter of a GPT model (local spec) with its canonical name and sharding.
+    """Describe every parameter of a GPT model with its canonical name and sharding.
 
-    Raises:
-        ValueError: a parameter under ``decoder.layers`` that the naming scheme does not know.
+    Canonical names: local-spec names (see :func:`local_spec_name` for Transformer Engine specs)
+    with the global layer index (``TransformerLayer.layer_number - 1``) and the global expert index
+    (``MoELayer.local_expert_indices``). Names the family table does not know are reported by
+    the callers.
     """
     model = unwrap_model(model)
     modules = dict(model.named_modules())
@@ -88,7 +115,7 @@ def param_slots(model: torch.nn.Module) -> list[ParamSlot]:
         match = _LAYER.match(name)
         if match:
             layer = layers[int(match.group(1))]
-            rest = match.group(2)
+            rest = local_spec_name(match.group(2))
             expert = _EXPERT.match(rest)
             if expert:
                 local = int(expert.group(1))
@@ -103,8 +130,8 @@ def param_slots(model: torch.nn.Module) -> list[ParamSlot]:
         if getattr(param, "tensor_model_parallel", False):
             slot.partition_dim = param.partition_dim
             slot.tp_group = getattr(owner, "tp_group", None)
-            config = getattr(owner, "config", None)
-            slot.glu = name.endswith("linear_fc1.weight") and bool(
+            config = getattr(owner, "config", None) or getattr(model, "config", None)
+            slot.glu = canonical.endswith("linear_fc1.weight") and bool(
                 getattr(config, "gated_linear_unit", False)
             )
         slots.append(slot)

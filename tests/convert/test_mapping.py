@@ -101,3 +101,24 @@ def test_vocab_rows_must_match_config():
     hf["model.embed_tokens.weight"] = hf["model.embed_tokens.weight"][:-1]
     with pytest.raises(ValueError, match="vocab_size=96"):
         dict(hf_to_megatron_tensors(hf.__getitem__, spec))
+
+
+def test_transformer_engine_names_map_to_local_spec_names():
+    from sao_megatron.convert.model_io import local_spec_name
+
+    assert local_spec_name("self_attention.linear_qkv.layer_norm_weight") == (
+        "input_layernorm.weight"
+    )
+    assert local_spec_name("mlp.linear_fc1.layer_norm_weight") == "pre_mlp_layernorm.weight"
+    assert local_spec_name("mlp.experts.linear_fc1.weight12") == (
+        "mlp.experts.local_experts.12.linear_fc1.weight"
+    )
+    assert local_spec_name("mlp.experts.linear_fc2.weight0") == (
+        "mlp.experts.local_experts.0.linear_fc2.weight"
+    )
+    for same in (
+        "self_attention.linear_qkv.weight",
+        "pre_mlp_layernorm.weight",
+        "mlp.router.weight",
+    ):
+        assert local_spec_name(same) == same
