@@ -29,7 +29,12 @@ from sao_megatron.algorithm.config import AlgorithmConfig
 from sao_megatron.algorithm.losses import policy_loss, value_loss
 from sao_megatron.algorithm.metrics import explained_variance, off_policy_metrics
 from sao_megatron.data.batch import TrainBatch, gather_to_streams, scatter_from_streams
-from sao_megatron.models.forward import ModelInputs, compute_values, forward_backward
+from sao_megatron.models.forward import (
+    ModelInputs,
+    compute_policy_logprobs,
+    compute_values,
+    forward_backward,
+)
 from sao_megatron.optim.builder import TrainState
 from sao_megatron.parallel.state import ParallelState
 
@@ -325,6 +330,29 @@ class RLStep:
         return metrics, logprobs, entropy
 
     # ---------------------------------------------------------------------- the step
+    def _value_phase(self, b: TrainBatch, n_real: int, metrics: dict) -> tuple:
+        """V_old and returns, K value updates, then fresh values; returns the fresh values."""
+        values = self._values(b)
+        _, returns, vmask = self._advantages(b, n_real, values)
+        n_value = self._dp_sum(int(_pred(vmask).sum()))
+        metrics["value/explained_variance_before"] = explained_variance(values[0], returns, vmask)
+        for k in range(self.algo.value_updates_per_policy_update):
+            m = self._value_update(b, values[0], returns, vmask, n_value)
+            metrics.update({f"{key}_{k}": val for key, val in m.items()})
+        values_new = self._values(b)
+        metrics["value/explained_variance"] = explained_variance(values_new[0], returns, vmask)
+        metrics["value/return_mean"] = float(returns[vmask].mean()) if vmask.any() else 0.0
+        return values_new
+
+    def value_step(self, batch: TrainBatch) -> dict[str, float]:
+        """Value pre-training: the critic's K updates on `batch`, the policy untouched."""
+        if self.value is None:
+            raise ValueError("value_step() needs a value model (algorithm.name='sao')")
+        b, n_real = self._shard(batch)
+        metrics: dict[str, float] = {}
+        self._value_phase(b, n_real, metrics)
+        return metrics
+
     def train_step(self, batch: TrainBatch, train_version: int) -> dict[str, float]:
         """Run one SAO or GRPO step on the global `batch` (identical on all ranks).
 
@@ -340,21 +368,9 @@ class RLStep:
         metrics: dict[str, float] = {"batch/num_action_tokens": n_tokens, "batch/num_rows": n_seqs}
         old_logprobs = None
         if self.algo.name == "sao":
-            values = self._values(b)
-            _, returns, vmask = self._advantages(b, n_real, values)
-            n_value = self._dp_sum(int(_pred(vmask).sum()))
-            metrics["value/explained_variance_before"] = explained_variance(
-                values[0], returns, vmask
-            )
-            for k in range(self.algo.value_updates_per_policy_update):
-                m = self._value_update(b, values[0], returns, vmask, n_value)
-                metrics.update({f"{key}_{k}": val for key, val in m.items()})
-            values_new = self._values(b)  # advantages use the critic after its updates
-            adv, _, _ = self._advantages(b, n_real, values_new)
-            metrics["value/explained_variance"] = explained_variance(values_new[0], returns, vmask)
+            values = self._value_phase(b, n_real, metrics)
+            adv, _, _ = self._advantages(b, n_real, values)  # with the critic after its updates
         else:
-            from sao_megatron.models.forward import compute_policy_logprobs
-
             old_logprobs, _ = compute_policy_logprobs(
                 self.policy.model,
                 self.parallel,

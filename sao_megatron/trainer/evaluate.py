@@ -1,0 +1,106 @@
+"""Held-out evaluation: success rate of the current engine policy on tasks never trained on.
+
+Episodes run on the rollout engines (the same episode loop as training, `run_episode`) with
+seeds from the job's eval stream, so "before RL" and "after RL" are measured on the very same
+tasks. A task counts as solved when its episode's total reward is >= `success_threshold`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+
+from sao_megatron.data.episode import EpisodeFormatter
+from sao_megatron.envs.base import EnvSpec
+from sao_megatron.rollout.config import RolloutConfig
+from sao_megatron.rollout.engine import EngineClient
+from sao_megatron.rollout.runner import EpisodeError, run_episode
+
+log = logging.getLogger("sao_megatron.eval")
+
+
+def eval_seeds(base_seed: int, env_index: int, num_tasks: int) -> list[int]:
+    """Deterministic held-out seeds of one eval environment."""
+    rng = random.Random(f"eval:{base_seed}:{env_index}")
+    return [rng.randrange(2**31) for _ in range(num_tasks)]
+
+
+def evaluate(
+    urls: list[str],
+    envs: list[EnvSpec],
+    *,
+    num_tasks: int,
+    base_seed: int,
+    formatter: EpisodeFormatter,
+    rollout: RolloutConfig,
+    success_threshold: float = 1.0,
+    max_concurrency: int = 16,
+) -> dict[str, float]:
+    """Run `num_tasks` held-out episodes per environment on the engines at `urls`.
+
+    Returns {"eval/<env>/success_rate", "eval/<env>/mean_reward", "eval/<env>/mean_turns",
+    "eval/success_rate" (mean over envs), "eval/num_errors"}. Episodes are spread round-robin
+    over the engines; an episode that fails (EpisodeError) counts as unsolved and is counted in
+    num_errors.
+    """
+    cfg = dataclasses.replace(rollout, seed=rollout.seed if rollout.seed is not None else base_seed)
+
+    async def main() -> dict[str, float]:
+        clients = [EngineClient(u, f"eval{i}", cfg.request_timeout_s) for i, u in enumerate(urls)]
+        sem = asyncio.Semaphore(max_concurrency)
+        stop_ids = sorted(set(formatter.stop_token_ids) | set(cfg.stop_token_ids))
+
+        async def one(k: int, spec: EnvSpec, seed: int):
+            client = clients[k % len(clients)]
+
+            async def generate(episode_id, prompt_ids, max_tokens, req_seed):
+                return await client.generate(
+                    prompt_ids, max_tokens=max_tokens, temperature=cfg.temperature,
+                    top_p=cfg.top_p, stop_token_ids=stop_ids, seed=req_seed,
+                )
+
+            async with sem:
+                try:
+                    traj = await run_episode(
+                        env=spec.build(), seed=seed, task_id=f"eval/{spec.name}:{seed}",
+                        formatter=formatter, generate=generate, config=cfg,
+                    )
+                except EpisodeError as e:
+                    log.warning("eval episode failed: %s", e)
+                    return spec.name, None
+                return spec.name, traj
+
+        jobs = []
+        k = 0
+        for j, spec in enumerate(envs):
+            for seed in eval_seeds(base_seed, j, num_tasks):
+                jobs.append(one(k, spec, seed))
+                k += 1
+        try:
+            results = await asyncio.gather(*jobs)
+        finally:
+            for c in clients:
+                await c.aclose()
+        return _summarise(results, [e.name for e in envs], success_threshold)
+
+    return asyncio.run(main())
+
+
+def _summarise(results, names, threshold) -> dict[str, float]:
+    out: dict[str, float] = {"eval/num_errors": float(sum(t is None for _, t in results))}
+    rates = []
+    for name in dict.fromkeys(names):
+        trajs = [t for n, t in results if n == name]
+        solved = [t is not None and t.total_reward >= threshold for t in trajs]
+        rewards = [t.total_reward if t is not None else 0.0 for t in trajs]
+        turns = [len(t.nodes) for t in trajs if t is not None]
+        rate = sum(solved) / max(len(trajs), 1)
+        rates.append(rate)
+        out[f"eval/{name}/success_rate"] = rate
+        out[f"eval/{name}/mean_reward"] = sum(rewards) / max(len(rewards), 1)
+        out[f"eval/{name}/mean_turns"] = sum(turns) / max(len(turns), 1)
+        out[f"eval/{name}/num_tasks"] = float(len(trajs))
+    out["eval/success_rate"] = sum(rates) / max(len(rates), 1)
+    return out
