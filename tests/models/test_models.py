@@ -1,0 +1,142 @@
+"""1-rank policy/value models: forward helpers, padding, value init from policy, freezing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sao_megatron.models import (
+    VALUE_DEFAULT_FREEZE_PATTERNS,
+    ModelInputs,
+    apply_freeze,
+    build_policy,
+    build_value_model,
+    causal_padding_mask,
+    compute_policy_logprobs,
+    compute_values,
+    init_value_from_policy,
+)
+from sao_megatron.models.sharding import shard_rule, shard_state_dict
+
+
+def _ids(b, t, seed=0):
+    return torch.randint(0, 128, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def test_policy_logprobs_match_float64_reference(parallel_1rank, tiny_moe):
+    policy = build_policy(tiny_moe, parallel_1rank)
+    ids = _ids(4, 12)
+    batch = ModelInputs(ids, torch.ones_like(ids))
+    lp, ent = compute_policy_logprobs(policy, parallel_1rank, batch, 0.7, micro_batch_size=2)
+    with torch.no_grad():
+        logits = policy[0](ids, batch.position_ids, causal_padding_mask(batch.attention_mask))
+    assert logits.shape == (4, 12, 128)
+    logp = torch.log_softmax(logits.double() / 0.7, -1)[:, :-1]
+    ref = logp.gather(-1, ids[:, 1:, None])[..., 0]
+    torch.testing.assert_close(lp.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent.double(), -(logp.exp() * logp).sum(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_left_and_right_padding_do_not_change_outputs(parallel_1rank, tiny_moe):
+    policy = build_policy(tiny_moe, parallel_1rank)
+    value = build_value_model(tiny_moe, parallel_1rank)
+    ids = _ids(1, 10)
+    plain = ModelInputs(ids, torch.ones_like(ids))
+    padded_ids = torch.cat([torch.full((1, 3), 5), ids, torch.full((1, 2), 7)], 1)
+    mask = torch.cat([torch.zeros(1, 3), torch.ones(1, 10), torch.zeros(1, 2)], 1).long()
+    padded = ModelInputs(padded_ids, mask)
+    assert padded.position_ids[0, 3:13].tolist() == list(range(10))
+    lp0, _ = compute_policy_logprobs(policy, parallel_1rank, plain)
+    lp1, _ = compute_policy_logprobs(policy, parallel_1rank, padded)
+    torch.testing.assert_close(lp1[:, 3:12], lp0, rtol=1e-5, atol=1e-5)
+    v0 = compute_values(value, parallel_1rank, plain)
+    v1 = compute_values(value, parallel_1rank, padded)
+    torch.testing.assert_close(v1[:, 3:13], v0, rtol=1e-5, atol=1e-5)
+
+
+def test_value_init_from_policy(parallel_1rank, tiny_moe):
+    policy = build_policy(tiny_moe, parallel_1rank)[0]
+    value = build_value_model(tiny_moe, parallel_1rank, value_head_init_std=0.5)[0]
+    report = init_value_from_policy(value, policy.state_dict())
+    assert report.head_initialized == ["output_layer.linear.weight", "output_layer.linear.bias"]
+    assert "output_layer.weight" in report.ignored_policy_keys
+    assert report.missing == [] and report.unexpected == []
+    pstate = policy.state_dict()
+    for key in report.loaded:
+        if torch.is_tensor(pstate[key]):
+            assert torch.equal(value.state_dict()[key], pstate[key]), key
+    assert len(report.loaded) == len([k for k in pstate if not k.startswith("output_layer")])
+    assert torch.all(value.output_layer.linear.bias == 0)
+    assert 0.2 < float(value.output_layer.linear.weight.std()) < 1.0  # N(0, 0.5^2), 64 draws
+    # values = w . final_norm(h) + b: check against the policy trunk's final hidden states
+    ids = _ids(2, 8)
+    batch = ModelInputs(ids, torch.ones_like(ids))
+    values = compute_values([value], parallel_1rank, batch)
+    hidden = {}
+    policy.decoder.final_layernorm.register_forward_hook(lambda m, i, o: hidden.update(h=o))
+    with torch.no_grad():
+        policy(ids, batch.position_ids, causal_padding_mask(batch.attention_mask))
+    ref = hidden["h"].transpose(0, 1) @ value.output_layer.linear.weight[0]
+    torch.testing.assert_close(values, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_value_init_reports_mismatch(parallel_1rank, tiny_moe):
+    policy = build_policy(tiny_moe, parallel_1rank)[0]
+    value = build_value_model(tiny_moe, parallel_1rank)[0]
+    state = dict(policy.state_dict())
+    del state["decoder.final_layernorm.weight"]
+    state["decoder.extra.weight"] = torch.zeros(1)
+    with pytest.raises(ValueError, match="final_layernorm.weight.*decoder.extra.weight"):
+        init_value_from_policy(value, state)
+    report = init_value_from_policy(value, state, strict=False)
+    assert report.missing == ["decoder.final_layernorm.weight"]
+    assert report.unexpected == ["decoder.extra.weight"]
+
+
+def test_default_value_freeze(parallel_1rank, tiny_moe):
+    value = build_value_model(tiny_moe, parallel_1rank)
+    report = apply_freeze(value, VALUE_DEFAULT_FREEZE_PATTERNS)
+    frozen = set(report.frozen_names)
+    assert "embedding.word_embeddings.weight" in frozen
+    for layer in range(2):
+        for name in ("linear_qkv.weight", "linear_proj.weight"):
+            assert f"decoder.layers.{layer}.self_attention.{name}" in frozen
+    trainable = set(report.trainable_names)
+    assert (
+        "output_layer.linear.weight" in trainable
+        and "decoder.layers.0.mlp.router.weight" in trainable
+    )
+    assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight" in trainable
+    assert "decoder.layers.0.self_attention.q_layernorm.weight" in trainable
+    assert len(frozen) == 5
+    # 128*64 embedding + 2 layers * (128*64 qkv + 64*64 proj)
+    assert report.num_frozen_params == 128 * 64 + 2 * (128 * 64 + 64 * 64)
+    total = sum(p.numel() for p in value[0].parameters())
+    assert report.num_trainable_params == total - report.num_frozen_params
+    assert all(p.requires_grad == (n in trainable) for n, p in value[0].named_parameters())
+
+
+def test_freeze_pattern_matching_nothing_is_an_error(parallel_1rank, tiny_moe):
+    value = build_value_model(tiny_moe, parallel_1rank)
+    with pytest.raises(ValueError, match=r"\['self_atention'\]"):
+        apply_freeze(value, ["embedding", "self_atention"])
+    with pytest.raises(ValueError, match="not a valid regular expression"):
+        apply_freeze(value, ["("])
+
+
+def test_shard_rules_split_swiglu_halves():
+    assert shard_rule("decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight") == (
+        "etp",
+        0,
+        True,
+    )
+    assert shard_rule("decoder.layers.0.self_attention.linear_proj.weight") == ("tp", 1, False)
+    assert shard_rule("decoder.layers.0.mlp.router.weight") == ("none", None, False)
+
+
+def test_shard_state_dict_identity_at_one_rank(parallel_1rank, tiny_moe):
+    policy = build_policy(tiny_moe, parallel_1rank)[0]
+    full = policy.state_dict()
+    local = shard_state_dict(full, policy, **parallel_1rank.shard_coords())
+    assert local.keys() == full.keys()
+    assert all(torch.equal(local[k], full[k]) for k in full if torch.is_tensor(full[k]))
