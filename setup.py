@@ -20,6 +20,8 @@ INSTALL_REQUIRES = [
     "requests>=2.31",
     "httpx>=0.27,<1",  # rollout: async HTTP client of the vLLM engines
     "minigrid>=3.0,<3.3",  # BabyAI levels + expert bot (sao_megatron/envs/babyai.py), offline
+    # convert tests (reference logits of tiny HF models) and HF tokenizers; <5: 5.x fuses MoE experts
+    "transformers>=4.51,<5",
 ]
 
 EXTRAS = {
