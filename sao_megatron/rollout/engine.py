@@ -70,6 +70,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group `pgid`, from /proc (Linux; [] elsewhere)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            out.append(int(stat.parent.name))
+    return out
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     os.setsid()
     try:
@@ -250,6 +263,9 @@ class EngineProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        deadline = time.monotonic() + grace_s
+        while group_members(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def log_tail(self, num_lines: int = 30) -> str:
         try:

@@ -90,6 +90,8 @@ class RolloutManager:
         tasks: an iterable of `Task` (usually endless); drawn lazily, requeued tasks first.
         client_factory: builds the client of one engine from (url, name, timeout); tests pass
             an in-process fake here (default `EngineClient`).
+        processes: already running local engines to adopt instead of starting new ones (they
+            are restarted on failure like our own, but `stop()` leaves them running).
     """
 
     def __init__(
@@ -99,6 +101,7 @@ class RolloutManager:
         tasks: Iterable[Task],
         *,
         client_factory: ClientFactory = EngineClient,
+        processes: list[EngineProcess] | None = None,
     ) -> None:
         self.config = config
         self.formatter = formatter
@@ -113,7 +116,8 @@ class RolloutManager:
             on_stale=self._on_stale_group,
         )
         self.publisher = WeightPublisher(Path(config.run_dir) / "weights")
-        self.processes: list[EngineProcess | None] = []
+        self.processes: list[EngineProcess | None] = list(processes or [])
+        self._owns_processes = processes is None
         self.urls: list[str] = []
         self.clients: list[EngineClient] = []
         self.engine_versions: list[int] = []
@@ -126,6 +130,7 @@ class RolloutManager:
         self._inflight = 0
         self._closing = False
         self._fatal: BaseException | None = None
+        self._drained_since: float | None = None  # task source exhausted, nothing in flight
         self._t0 = time.monotonic()
         self.counters = collections.Counter()
         self.attempts: collections.Counter = collections.Counter()  # task_id -> attempts started
@@ -137,7 +142,9 @@ class RolloutManager:
         """Start local engines (or attach to `engine_urls`), then the episode loop. Blocks until
         every engine is healthy. Raises EngineError if one fails to start."""
         c = self.config
-        if c.launches_engines:
+        if self.processes:
+            self.urls = [p.url for p in self.processes]
+        elif c.launches_engines:
             procs = [EngineProcess(c, i) for i in range(c.num_engines)]
             self.processes = list(procs)
             for p in procs:
@@ -187,9 +194,10 @@ class RolloutManager:
             self._loop.call_soon_threadsafe(self._loop.stop)
             if self._thread is not None:
                 self._thread.join(timeout=10)
-        for p in self.processes:
-            if p is not None:
-                p.stop()
+        if self._owns_processes:
+            for p in self.processes:
+                if p is not None:
+                    p.stop()
 
     def _call(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -199,7 +207,8 @@ class RolloutManager:
         """Block until `trajectories_per_batch` trajectories with staleness <= max_staleness
         relative to `train_version` are ready; return them (GRPO groups contiguous).
 
-        Raises TimeoutError after `timeout` s, RuntimeError if the rollout failed (no engine).
+        Raises TimeoutError after `timeout` s; RuntimeError if the rollout failed (no engine
+        left) or a finite task source ran out before the batch was full.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -210,6 +219,13 @@ class RolloutManager:
             try:
                 batch = self.buffer.get_batch(train_version, timeout=step)
             except TimeoutError:
+                drained = self._drained_since
+                if drained is not None and time.monotonic() - drained > 2.0:
+                    raise RuntimeError(
+                        f"the task source is exhausted: {self.buffer.num_ready()} trajectories "
+                        f"left, fewer than rollout.trajectories_per_batch="
+                        f"{self.config.trajectories_per_batch}"
+                    ) from None
                 if left is not None and left <= step:
                     raise
                 continue
@@ -308,8 +324,11 @@ class RolloutManager:
                 self.buffer.mark_started()
                 self._inflight += g
                 asyncio.get_running_loop().create_task(self._run_group(*item))
-            if exhausted and self._inflight == 0:
-                return
+            drained = exhausted and self._inflight == 0 and not self._requeued
+            if not drained:
+                self._drained_since = None
+            elif self._drained_since is None:
+                self._drained_since = time.monotonic()
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=0.5)
             except TimeoutError:

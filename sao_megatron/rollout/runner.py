@@ -105,7 +105,14 @@ async def run_episode(
                 f"log-probs (finish_reason={gen.finish_reason})"
             )
         try:
-            result = env.step(formatter.action_text(gen.token_ids))
+            action_text = formatter.action_text(gen.token_ids)
+        except Exception as e:  # e.g. sentencepiece: "piece id is out of range"
+            raise EpisodeError(
+                f"{task_id}: cannot decode the sampled ids ({type(e).__name__}: {e}); is the "
+                "engine model's vocab_size larger than the tokenizer's?"
+            ) from e
+        try:
+            result = env.step(action_text)
         except Exception as e:
             raise EpisodeError(f"{task_id}: env.step raised {type(e).__name__}: {e}") from e
         builder.add_action(

@@ -7,8 +7,9 @@ Run it with the vLLM virtualenv's Python (it has transformers), from the reposit
 The shape suits both Megatron and vLLM's CPU backend (DESIGN.md section 5): head_dim 64 (a head
 size the CPU attention kernel takes), 8 experts top-2, MoE ffn 128 (a multiple of 32, so the CPU
 MoE kernel packs the experts without padding). About 3M parameters. No tokenizer files are
-written: the rollout is token-in/token-out and the server runs with ``--skip-tokenizer-init``;
-the byte-level vocabulary of `ByteTokenizer` (ids 0..258) fits in ``vocab_size``.
+written: the rollout is token-in/token-out and the server runs with ``--skip-tokenizer-init``.
+``--vocab-size`` must equal the tokenizer's (default 300: the smallest sentencepiece vocabulary
+`sao_megatron.data.tokenizer` trains, as the tests and ``tools/bench_rollout.py`` use).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import json
 from pathlib import Path
 
 TINY_QWEN3_MOE = dict(
-    vocab_size=320,
+    vocab_size=300,
     hidden_size=128,
     num_hidden_layers=2,
     num_attention_heads=4,
@@ -41,7 +42,9 @@ TINY_QWEN3_MOE = dict(
 )
 
 
-def write_tiny_qwen3_moe(out_dir: str | Path, seed: int = 0, init_std: float = 0.1) -> Path:
+def write_tiny_qwen3_moe(
+    out_dir: str | Path, seed: int = 0, init_std: float = 0.1, vocab_size: int = 300
+) -> Path:
     """Save a randomly initialised tiny Qwen3-MoE (fp32 safetensors + config.json) to `out_dir`.
 
     Args:
@@ -49,13 +52,16 @@ def write_tiny_qwen3_moe(out_dir: str | Path, seed: int = 0, init_std: float = 0
         seed: torch seed of the random init (same seed -> same weights).
         init_std: std of the normal init of all matrices; larger than the usual 0.02 so that the
             next-token distributions are far from uniform and sampling tests see distinct tokens.
+        vocab_size: must equal the tokenizer's vocabulary size.
     Returns the folder path.
     """
     import torch
     from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen3MoeConfig(**TINY_QWEN3_MOE, initializer_range=init_std)
+    config = Qwen3MoeConfig(
+        **{**TINY_QWEN3_MOE, "vocab_size": vocab_size}, initializer_range=init_std
+    )
     model = Qwen3MoeForCausalLM(config).to(torch.float32).eval()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -70,8 +76,12 @@ def main() -> None:
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--init-std", type=float, default=0.1)
+    parser.add_argument("--vocab-size", type=int, default=300)
     args = parser.parse_args()
-    print(write_tiny_qwen3_moe(args.out_dir, seed=args.seed, init_std=args.init_std))
+    out = write_tiny_qwen3_moe(
+        args.out_dir, seed=args.seed, init_std=args.init_std, vocab_size=args.vocab_size
+    )
+    print(out)
 
 
 if __name__ == "__main__":

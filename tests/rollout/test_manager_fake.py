@@ -118,6 +118,8 @@ def test_env_exception_and_malformed_reply_drop_only_that_episode(fakes, tmp_pat
         fakes[1].mode = "malformed"
         got += m.get_batch(0, timeout=10)
         assert m.counters["failed_groups"] >= 5
+        with pytest.raises(RuntimeError, match="task source is exhausted"):
+            m.get_batch(0, timeout=30)  # 20 tasks - 5 failing = 15 < 4 batches
     ids = [t.task_id for t in got]
     assert len(ids) == len(set(ids)) == 12
     assert not {f"t{i}" for i in range(0, 20, 4)} & set(ids)

