@@ -122,8 +122,13 @@ def forward_backward(
         (``logprobs``, ``entropy`` [b, T-1] or ``values`` [b, T]; float32), ``loss`` and the
         ``loss_fn`` metrics; on other stages an empty list.
 
+    Attention: on CPU (local specs) the explicit causal+padding mask supports left and right
+    padding; with Transformer Engine specs (GPU) only the causal mask is applied, so batches must
+    be right-padded (checked).
+
     Raises:
-        ValueError: unknown kind, B not divisible by micro_batch_size, loss_fn missing.
+        ValueError: unknown kind, B not divisible by micro_batch_size, loss_fn missing,
+            left padding with TE specs.
     """
     if kind not in ("policy", "value"):
         raise ValueError(f"kind={kind!r}: must be 'policy' or 'value'")
@@ -134,6 +139,15 @@ def forward_backward(
     if bsz % mbs:
         raise ValueError(f"batch size {bsz} is not divisible by micro_batch_size={mbs}")
     num_mb = bsz // mbs
+    if parallel.platform.use_te:
+        am = batch.attention_mask.bool()
+        later_token = am.flip(-1).cummax(-1).values.flip(-1)  # a real token at or after t
+        if bool((later_token & ~am).any()):
+            raise ValueError(
+                "padding before real tokens (left/middle padding) is not supported with the "
+                "Transformer Engine specs: TE attention applies the causal mask only. "
+                "Right-pad the batch."
+            )
     tp = parallel.cfg.tp if parallel.cfg.sequence_parallel else 1
     padded, seq_len = _pad_to_multiple(batch, tp)
     device = parallel.platform.device
