@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, TypeVar, get_type_hints
+from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -86,21 +86,32 @@ def to_yaml(config: Any) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(config))
 
 
-def describe(schema: type, prefix: str = "") -> list[tuple[str, str]]:
-    """(dotted field, default) for every leaf field of a config dataclass, for ``--help``."""
-    hints = get_type_hints(schema)
+def describe(schema: type) -> list[tuple[str, str]]:
+    """(dotted field, default) for every leaf field of a config dataclass, for ``--help``.
+
+    Defaults are those of the job (nested factories included), not of each section's class.
+    """
+    base = OmegaConf.structured(schema)
+    _reset_derived_fields(base)
     rows: list[tuple[str, str]] = []
-    for f in dataclasses.fields(schema):
-        name = f"{prefix}{f.name}"
-        ftype = hints.get(f.name)
-        if isinstance(ftype, type) and dataclasses.is_dataclass(ftype):
-            rows += describe(ftype, prefix=name + ".")
-            continue
-        if f.default is not dataclasses.MISSING:
-            default = repr(f.default)
-        elif f.default_factory is not dataclasses.MISSING:
-            default = repr(f.default_factory())
-        else:
-            default = "<required>"
-        rows.append((name, default))
+
+    def walk(node: Any, prefix: str) -> None:
+        for key in node:
+            value = node._get_node(key)
+            name = f"{prefix}{key}"
+            if isinstance(value, DictConfig) and OmegaConf.get_type(value) not in (dict, None):
+                walk(value, name + ".")
+            else:
+                rows.append(
+                    (
+                        name,
+                        repr(
+                            OmegaConf.to_container(value)
+                            if OmegaConf.is_config(value)
+                            else value._value()
+                        ),
+                    )
+                )
+
+    walk(base, "")
     return rows

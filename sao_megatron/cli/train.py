@@ -1,0 +1,87 @@
+"""`sao-train CONFIG.yaml [section.field=value ...]`: run a job (SFT -> value pre-training -> RL).
+
+Launch with ``torchrun --nproc_per_node=N -m sao_megatron.cli.train CONFIG ...`` for several
+ranks (see launch_scripts/). ``--help`` lists the example configs and every config field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "configs"
+
+
+def _help_epilog() -> str:
+    from sao_megatron.configs import describe
+    from sao_megatron.trainer.job import JobConfig
+
+    configs = sorted(p.name for p in EXAMPLES.glob("*.yaml")) if EXAMPLES.is_dir() else []
+    rows = describe(JobConfig)
+    sections: dict[str, list[str]] = {}
+    for name, default in rows:
+        head = name.split(".")[0] if "." in name else "(top level)"
+        sections.setdefault(head, []).append(f"  {name} = {default}")
+    body = "\n".join(f"[{s}]\n" + "\n".join(v) for s, v in sections.items())
+    listing = "\n".join(f"  examples/configs/{c}" for c in configs) or "  (none found)"
+    return (
+        f"example configs:\n{listing}\n\n"
+        "overrides: dotted fields, e.g. rl.steps=5 algorithm.name=grpo 'stages=[sft,rl]'\n\n"
+        f"config fields and defaults (sections):\n{body}"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(
+        prog="sao-train",
+        description=textwrap.dedent(__doc__).strip().splitlines()[0],
+        epilog=_help_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    parser.add_argument("config", help="YAML job config (see example configs below)")
+    parser.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the resolved config and exit"
+    )
+    args = parser.parse_args(argv)
+
+    from sao_megatron.configs import load_config, to_yaml
+    from sao_megatron.trainer.job import JobConfig
+
+    try:
+        job = load_config(JobConfig, args.config, args.overrides)
+    except (ValueError, FileNotFoundError) as e:
+        parser.exit(2, f"sao-train: config error: {e}\n")
+    if args.print_config:
+        print(to_yaml(job))
+        return 0
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s: %(message)s",
+        stream=sys.stdout,
+    )
+    from sao_megatron.parallel import destroy_parallel, initialize_parallel
+    from sao_megatron.trainer.controller import Controller
+    from sao_megatron.trainer.report import final_report
+
+    Path(job.run_dir).mkdir(parents=True, exist_ok=True)
+    parallel = initialize_parallel(job.parallel)
+    try:
+        summary = Controller(job, parallel).run()
+        if parallel.rank == 0:
+            print(final_report(job, summary))
+    finally:
+        destroy_parallel(destroy_process_group=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""The table `sao-train` prints at the end: held-out success before/after RL, deviation, speed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sao_megatron.trainer.job import JobConfig
+
+
+def final_report(job: JobConfig, summary: dict[str, float]) -> str:
+    """Render the summary as a text table and save it as ``run_dir/summary.json``."""
+    Path(job.run_dir, "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+    rows = [("metric", "before RL", "after RL")]
+    keys = sorted({k.split("/", 1)[1] for k in summary if k.startswith(("before/", "after/"))})
+    for k in keys:
+        if k.endswith(("success_rate", "mean_reward")):
+            b, a = summary.get(f"before/{k}"), summary.get(f"after/{k}")
+            rows.append((k, _fmt(b), _fmt(a)))
+    for k in (
+        "offpolicy/mean_abs_one_minus_ratio",
+        "offpolicy/version_lag_mean",
+        "offpolicy/fraction_dropped",
+        "rollout/trajectories_per_s",
+        "rollout/tokens_per_s",
+        "sft/final_loss",
+    ):
+        if k in summary:
+            rows.append((k, "", _fmt(summary[k])))
+    width = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, width, strict=True)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in width))
+    return f"\n== sao-train summary ({job.algorithm.name}, {job.run_dir}) ==\n" + "\n".join(lines)
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.4g}"
