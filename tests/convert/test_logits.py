@@ -9,13 +9,13 @@ from sao_megatron.convert.model_io import load_hf_into_model, megatron_to_hf_ten
 from sao_megatron.convert.spec import ConversionSpec
 from tests.convert.tiny_hf import fixed_batch, save_hf
 
-CASES = [
-    ("qwen3_moe", False),
-    ("qwen3_moe", True),
-    ("qwen2_moe", False),
-    ("mixtral", False),
-    ("qwen2", True),
-    ("llama", False),
+CASES = [  # (family, tied embeddings, extra build kwargs)
+    ("qwen3_moe", False, {}),
+    ("qwen3_moe", True, {"dense_layers": (0,)}),  # layer 0 dense (mlp_only_layers)
+    ("qwen2_moe", False, {}),
+    ("mixtral", False, {}),
+    ("qwen2", True, {}),
+    ("llama", False, {}),
 ]
 
 
@@ -26,11 +26,11 @@ def megatron_logits(model, ids: torch.Tensor) -> torch.Tensor:
         return model(ids, pos, attention_mask=None)
 
 
-@pytest.mark.parametrize(("family", "tie"), CASES)
-def test_hf_to_megatron_logits_and_exact_export(family, tie, tmp_path, parallel_1rank):
+@pytest.mark.parametrize(("family", "tie", "extra"), CASES)
+def test_hf_to_megatron_logits_and_exact_export(family, tie, extra, tmp_path, parallel_1rank):
     from sao_megatron.models import build_policy
 
-    hf_model = save_hf(family, tmp_path, tie=tie, shard="20KB")  # several shards + index
+    hf_model = save_hf(family, tmp_path, tie=tie, shard="20KB", **extra)  # shards + index
     config = read_hf_config(tmp_path)
     spec = ConversionSpec.from_hf_config(config)
     (model,) = build_policy(model_config_from_hf(config), parallel_1rank)
@@ -43,6 +43,8 @@ def test_hf_to_megatron_logits_and_exact_export(family, tie, tmp_path, parallel_
         reference = hf_model(ids).logits
     logits = megatron_logits(model, ids)
     assert logits.shape == reference.shape == (2, 10, 96)
+    if extra.get("dense_layers"):
+        assert "decoder.layers.0.mlp.linear_fc1.weight" in dict(model.named_parameters())
     assert (logits - reference).abs().max().item() < 1e-4
     assert reference.std() > 0.1  # random weights: a wrong mapping cannot hide in tiny logits
 

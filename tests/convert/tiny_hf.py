@@ -21,9 +21,17 @@ _COMMON = dict(
 )
 
 
-def build_hf_model(family: str, *, tie: bool = False, seed: int = 0, num_experts: int = 4):
+def build_hf_model(
+    family: str,
+    *,
+    tie: bool = False,
+    seed: int = 0,
+    num_experts: int = 4,
+    dense_layers: tuple[int, ...] = (),
+):
     """A random fp32 HF model of ``family`` (norm weights and biases randomised too, so a
-    wrong mapping of any tensor changes the logits)."""
+    wrong mapping of any tensor changes the logits). ``dense_layers``: Qwen-MoE
+    ``mlp_only_layers`` (layers with a dense MLP of size 48)."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -36,6 +44,8 @@ def build_hf_model(family: str, *, tie: bool = False, seed: int = 0, num_experts
             num_experts=num_experts,
             num_experts_per_tok=2,
             norm_topk_prob=True,
+            mlp_only_layers=list(dense_layers),
+            intermediate_size=48,
         )
         model = tf.Qwen3MoeForCausalLM(cfg)
     elif family == "qwen2_moe":
