@@ -23,19 +23,25 @@ class ValueHead(MegatronModule):
 
     Call signature mirrors Megatron's output layer: ``(hidden [s(/tp), b, h], weight=None,
     runtime_gather_output=None) -> (values [s, b, 1], None)``.
+
+    Parameters are ``weight [1, h]`` and ``bias [1]`` (state-dict keys ``output_layer.weight``
+    and ``output_layer.bias``, which Megatron's ``LanguageModule.sharded_state_dict`` expects on
+    the last stage; dist_checkpointing stores them replicated).
     """
 
     def __init__(self, config: TransformerConfig, init_std: float) -> None:
         super().__init__(config=config)
-        self.linear = torch.nn.Linear(config.hidden_size, 1, bias=True, dtype=config.params_dtype)
+        dtype = config.params_dtype
+        self.weight = torch.nn.Parameter(torch.empty(1, config.hidden_size, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.empty(1, dtype=dtype))
         self.init_std = init_std
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """Explicit init: weight ~ N(0, init_std^2), bias = 0."""
         with torch.no_grad():
-            self.linear.weight.normal_(0.0, self.init_std)
-            self.linear.bias.zero_()
+            self.weight.normal_(0.0, self.init_std)
+            self.bias.zero_()
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         """hidden_states: [s or s/tp, b, h] -> ([s, b, 1], None)."""
@@ -43,7 +49,7 @@ class ValueHead(MegatronModule):
             hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
                 hidden_states, tensor_parallel_output_grad=False
             )
-        return self.linear(hidden_states), None
+        return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
 class ValueGPTModel(GPTModel):

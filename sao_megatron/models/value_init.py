@@ -37,8 +37,9 @@ def init_value_from_policy(
     """Copy trunk weights (embedding, layers, final norm) of the same rank's policy chunk into
     ``value`` and re-initialise the value head (``ValueHead.reset_parameters``).
 
-    Both must have the same layout (TP/PP/EP). Keys are matched by name; ``output_layer.*`` of
-    the policy is ignored, ``output_layer.linear.*`` of the value model is the head.
+    Both must have the same layout (TP/PP/EP). Keys are matched by name; the policy's
+    ``output_layer.*`` (LM head) is ignored; the value model's ``output_layer.weight/bias`` is
+    the value head.
 
     Args:
         value: a ``ValueGPTModel`` chunk (unwrapped).

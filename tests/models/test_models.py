@@ -58,7 +58,7 @@ def test_value_init_from_policy(parallel_1rank, tiny_moe):
     policy = build_policy(tiny_moe, parallel_1rank)[0]
     value = build_value_model(tiny_moe, parallel_1rank, value_head_init_std=0.5)[0]
     report = init_value_from_policy(value, policy.state_dict())
-    assert report.head_initialized == ["output_layer.linear.weight", "output_layer.linear.bias"]
+    assert report.head_initialized == ["output_layer.weight", "output_layer.bias"]
     assert "output_layer.weight" in report.ignored_policy_keys
     assert report.missing == [] and report.unexpected == []
     pstate = policy.state_dict()
@@ -66,8 +66,8 @@ def test_value_init_from_policy(parallel_1rank, tiny_moe):
         if torch.is_tensor(pstate[key]):
             assert torch.equal(value.state_dict()[key], pstate[key]), key
     assert len(report.loaded) == len([k for k in pstate if not k.startswith("output_layer")])
-    assert torch.all(value.output_layer.linear.bias == 0)
-    assert 0.2 < float(value.output_layer.linear.weight.std()) < 1.0  # N(0, 0.5^2), 64 draws
+    assert torch.all(value.output_layer.bias == 0)
+    assert 0.2 < float(value.output_layer.weight.std()) < 1.0  # N(0, 0.5^2), 64 draws
     # values = w . final_norm(h) + b: check against the policy trunk's final hidden states
     ids = _ids(2, 8)
     batch = ModelInputs(ids, torch.ones_like(ids))
@@ -76,7 +76,7 @@ def test_value_init_from_policy(parallel_1rank, tiny_moe):
     policy.decoder.final_layernorm.register_forward_hook(lambda m, i, o: hidden.update(h=o))
     with torch.no_grad():
         policy(ids, batch.position_ids, causal_padding_mask(batch.attention_mask))
-    ref = hidden["h"].transpose(0, 1) @ value.output_layer.linear.weight[0]
+    ref = hidden["h"].transpose(0, 1) @ value.output_layer.weight[0]
     torch.testing.assert_close(values, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -102,10 +102,7 @@ def test_default_value_freeze(parallel_1rank, tiny_moe):
         for name in ("linear_qkv.weight", "linear_proj.weight"):
             assert f"decoder.layers.{layer}.self_attention.{name}" in frozen
     trainable = set(report.trainable_names)
-    assert (
-        "output_layer.linear.weight" in trainable
-        and "decoder.layers.0.mlp.router.weight" in trainable
-    )
+    assert "output_layer.weight" in trainable and "decoder.layers.0.mlp.router.weight" in trainable
     assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight" in trainable
     assert "decoder.layers.0.self_attention.q_layernorm.weight" in trainable
     assert len(frozen) == 5
