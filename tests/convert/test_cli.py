@@ -13,18 +13,6 @@ from sao_megatron.convert.cli import main
 from tests.convert.tiny_hf import save_hf, write_tokenizer
 
 
-@pytest.fixture
-def no_megatron():
-    """The CLI sets up (and tears down) its own Megatron world."""
-    from megatron.core import parallel_state as ps
-
-    from sao_megatron.parallel import destroy_parallel
-
-    if ps.model_parallel_is_initialized():
-        destroy_parallel()
-    yield
-
-
 def _load_folder(folder: Path) -> dict[str, torch.Tensor]:
     tensors = {}
     for file in sorted(folder.glob("*.safetensors")):
