@@ -68,6 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(levelname)s: %(message)s",
         stream=sys.stdout,
     )
+    for noisy in ("httpx", "megatron", "megatron.core"):  # per-request / per-bucket INFO lines
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     from sao_megatron.parallel import destroy_parallel, initialize_parallel
     from sao_megatron.trainer.controller import Controller
     from sao_megatron.trainer.report import final_report

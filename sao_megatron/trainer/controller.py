@@ -121,6 +121,7 @@ class Controller:
     def run(self) -> dict[str, float]:
         job = self.job
         self.tokenizer = runtime.prepare_tokenizer(job, self.parallel.rank)
+        runtime.fit_vocab_to_tokenizer(job, self.tokenizer, self.parallel.cfg.tp)
         self.formatter = EpisodeFormatter(self.tokenizer, job.episode)
         self.hf_config = runtime.hf_config_for(
             job.model, self.tokenizer, job.precision.params_dtype
@@ -243,7 +244,7 @@ class Controller:
                                 extra={"value_pretrain_steps": pretrain_done},
                             ),
                         )
-                m |= _episode_metrics(batch) | {f"time/{k}": v for k, v in timer.summary().items()}
+                m |= _episode_metrics(batch) | timer.summary()
                 m |= peak_memory_gib() | (rollout.stats() if rollout else {})
                 logger.log(step, m)
         self.summary |= {f"after/{k}": v for k, v in self._evaluate(rollout).items()}

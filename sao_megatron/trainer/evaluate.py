@@ -57,15 +57,23 @@ def evaluate(
 
             async def generate(episode_id, prompt_ids, max_tokens, req_seed):
                 return await client.generate(
-                    prompt_ids, max_tokens=max_tokens, temperature=cfg.temperature,
-                    top_p=cfg.top_p, stop_token_ids=stop_ids, seed=req_seed,
+                    prompt_ids,
+                    max_tokens=max_tokens,
+                    temperature=cfg.temperature,
+                    top_p=cfg.top_p,
+                    stop_token_ids=stop_ids,
+                    seed=req_seed,
                 )
 
             async with sem:
                 try:
                     traj = await run_episode(
-                        env=spec.build(), seed=seed, task_id=f"eval/{spec.name}:{seed}",
-                        formatter=formatter, generate=generate, config=cfg,
+                        env=spec.build(),
+                        seed=seed,
+                        task_id=f"eval/{spec.name}:{seed}",
+                        formatter=formatter,
+                        generate=generate,
+                        config=cfg,
                     )
                 except EpisodeError as e:
                     log.warning("eval episode failed: %s", e)

@@ -5,6 +5,7 @@ Kept apart from the controller so the loop reads top to bottom without construct
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Iterator
@@ -60,6 +61,27 @@ def prepare_tokenizer(job: JobConfig, rank: int) -> Tokenizer:
             f"{job.model.vocab_size}: raise model.vocab_size or lower tokenizer.vocab_size"
         )
     return tok
+
+
+def fit_vocab_to_tokenizer(job: JobConfig, tokenizer: Tokenizer, tp: int) -> None:
+    """Shrink ``model.vocab_size`` to the size of a tokenizer the job trained itself.
+
+    A trained sentencepiece vocabulary is often smaller than asked for (templated corpora have
+    few pieces); embedding rows past it would be ids the policy can sample but no tokenizer can
+    decode. The new size is rounded up to a multiple of TP (Megatron splits the vocabulary).
+    A configured tokenizer (``tokenizer.path``) leaves the model as configured.
+    """
+    if job.tokenizer.path:
+        return
+    size = -(-tokenizer.vocab_size // tp) * tp
+    if size < job.model.vocab_size:
+        log.info(
+            "model.vocab_size %d -> %d: the trained tokenizer has %d tokens",
+            job.model.vocab_size,
+            size,
+            tokenizer.vocab_size,
+        )
+        job.model = dataclasses.replace(job.model, vocab_size=size)
 
 
 def hf_config_for(model: MoEModelConfig, tokenizer: Tokenizer, dtype: str) -> dict:
