@@ -40,7 +40,8 @@ setup(
     extras_require=EXTRAS,
     entry_points={
         "console_scripts": [
-            # Declared as their issues land; nothing here pretends to work before it does.
+            "sao-train=sao_megatron.cli.train:main",
+            "sao-convert=sao_megatron.convert.cli:main",
         ]
     },
 )
