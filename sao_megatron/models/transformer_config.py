@@ -129,5 +129,9 @@ def build_transformer_config(
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
+        # gloo matches point-to-point messages per peer in posting order; batched isend/irecv
+        # can swap the activation and the gradient that the interleaved schedule exchanges
+        # with the same peer (pp=2), so CPU uses Megatron's ordered (even/odd) p2p instead.
+        batch_p2p_comm=use_cuda,
         **kwargs,
     )

@@ -23,7 +23,9 @@ LAYOUTS: dict[str, tuple[dict, dict, bool]] = {
     "ep2_allgather": ({"ep": 2}, {"moe_token_dispatcher_type": "allgather"}, False),
     "pp2": ({"pp": 2}, {}, False),
     "dp2": ({}, {}, True),
+    "pp2_vpp2": ({"pp": 2, "virtual_pp": 2}, {"num_hidden_layers": 4}, False),
 }
+ARCH_FIELDS = ("num_hidden_layers",)  # overrides that change the reference model
 # CPU workarounds that only multi-rank runs exercise: the layout must fail without them.
 NEEDED = {"keep_alltoall_splits_as_numpy": "ep2_alltoall"}
 
@@ -208,11 +210,14 @@ def worker(rank: int, world_size: int, tmpdir: str) -> None:
 
     os.environ["SAO_TEST_TMP"] = tmpdir
     batch = make_batch()
-    base = MoEModelConfig(**tiny_moe_kwargs())
-    weights, ref = _reference(base, batch)
+    references = {}
     results = {}
     for name, (pkw, overrides, dist_opt) in LAYOUTS.items():
         model_cfg = MoEModelConfig(**{**tiny_moe_kwargs(), **overrides})
+        arch = tuple(overrides.get(f) for f in ARCH_FIELDS)
+        if arch not in references:
+            references[arch] = _reference(model_cfg, batch)
+        weights, ref = references[arch]
         try:
             results[name] = _run_layout(model_cfg, pkw, weights, ref, batch, dist_opt)
         except Exception as e:  # recorded per layout; the test reports it
@@ -221,6 +226,7 @@ def worker(rank: int, world_size: int, tmpdir: str) -> None:
             results[name] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
     from sao_megatron.platform import cpu_compat
 
+    weights, ref = references[(None,) * len(ARCH_FIELDS)]
     for workaround, name in NEEDED.items():
         pkw, overrides, _ = LAYOUTS[name]
         model_cfg = MoEModelConfig(**{**tiny_moe_kwargs(), **overrides})
