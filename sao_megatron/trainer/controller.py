@@ -36,10 +36,12 @@ log = logging.getLogger("sao_megatron.trainer")
 
 
 class TaskStream:
-    """The endless, seeded stream of RL tasks; `drawn` is its checkpointable cursor.
+    """The endless, seeded stream of RL tasks.
 
-    Resuming with ``start=k`` skips the first k tasks, so a resumed run sees the same tasks as
-    an uninterrupted one (episodes in flight at the crash are not replayed).
+    The checkpointed cursor is `consumed`, the number of tasks the trainer has trained on.
+    Resuming with ``start=k`` skips the first k tasks: in synchronous mode (max_staleness=0) the
+    trained tasks are exactly the first k drawn, so a resumed run sees the same tasks as an
+    uninterrupted one; asynchronously, tasks that were in flight at the checkpoint are run again.
     """
 
     def __init__(self, job: JobConfig, start: int = 0) -> None:
@@ -47,6 +49,7 @@ class TaskStream:
         self._specs = job.tasks.train
         self._weights = [e.weight for e in job.tasks.train]
         self.drawn = 0
+        self.consumed = start
         while self.drawn < start:
             self._draw()
 
@@ -91,6 +94,7 @@ class Controller:
         return {"tp": c.tp, "pp": c.pp, "ep": c.ep, "dp": self.parallel.dp}
 
     def _save(self, mgr, states: dict, common: CommonState) -> None:
+        common.extra["schedulers"] = {n: st.scheduler.state_dict() for n, st in states.items()}
         parts = {}
         for name, st in states.items():
             model_sd = st.unwrapped[0].sharded_state_dict()
@@ -112,9 +116,12 @@ class Controller:
             parts[f"{name}_optimizer"] = st.optimizer.sharded_state_dict(model_sd, is_loading=True)
             optional.append(f"{name}_optimizer")
         res = mgr.load(path, parts, optional_parts=optional)
+        schedulers = res.common.extra.get("schedulers", {})
         for name, st in states.items():
             if f"{name}_optimizer" in res.state_dicts:
                 st.optimizer.load_state_dict(res.state_dicts[f"{name}_optimizer"])
+                if name in schedulers:
+                    st.scheduler.load_state_dict(schedulers[name])
         return res
 
     # ------------------------------------------------------------------ stages
@@ -187,7 +194,7 @@ class Controller:
             res = self._load(mgr, resume_path, states)
             step, version = res.common.train_step, res.common.policy_version
             pretrain_done = res.common.extra.get("value_pretrain_steps", 0)
-            task_start = res.common.data_cursor.get("tasks_started", 0)
+            task_start = res.common.data_cursor.get("tasks_consumed", 0)
         hf_dir = self.run_dir / "hf_policy"
         runtime.export_policy_hf(
             policy.unwrapped, self.spec, self.hf_config, self.tokenizer, p, hf_dir
@@ -233,7 +240,7 @@ class Controller:
                     m |= self._evaluate(rollout)
                 if mgr.should_save(step) or step == job.rl.steps:
                     with timer.phase("checkpoint"):
-                        cursor = _from_rank0({"tasks_started": self.tasks.drawn})
+                        cursor = _from_rank0({"tasks_consumed": self.tasks.consumed})
                         self._save(
                             mgr,
                             states,
@@ -276,7 +283,12 @@ class Controller:
 
     def _next_batch(self, rollout, version):
         """The next training batch on every rank (rank 0 pulls it from the rollout)."""
-        trajs = rollout.get_batch(version, timeout=self.job.rl.batch_timeout_s) if rollout else None
+        trajs = None
+        if rollout is not None:
+            trajs = rollout.get_batch(version, timeout=self.job.rl.batch_timeout_s)
+            # completion order is timing-dependent; a fixed order makes runs reproducible
+            trajs.sort(key=lambda t: (_task_index(t.task_id), t.group_index))
+            self.tasks.consumed += len({t.task_id for t in trajs})
         trajs = _from_rank0(trajs)
         tp = self.parallel.cfg.tp if self.parallel.cfg.sequence_parallel else 1
         return pack_trajectories(
@@ -307,6 +319,11 @@ def _from_rank0(obj):
         dist.broadcast_object_list(box, src=0)
         return box[0]
     return obj
+
+
+def _task_index(task_id: str) -> int:
+    """Position of a task in the `TaskStream` (its id ends with ':<index>')."""
+    return int(task_id.rsplit(":", 1)[1])
 
 
 def _episode_metrics(batch) -> dict[str, float]:
