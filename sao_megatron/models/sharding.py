@@ -16,7 +16,8 @@ mlp.linear_fc1 / shared_experts.linear_fc1         ColumnParallel, SwiGLU [g; u]
 mlp.linear_fc2 / shared_experts.linear_fc2         RowParallelLinear              dim 1, TP
 experts.local_experts.{e}.linear_fc1               ColumnParallel, SwiGLU [g; u]  g, u dim 0, ETP
 experts.local_experts.{e}.linear_fc2               RowParallelLinear              dim 1, ETP
-norms, router, q/k norms, shared-expert gate, head  -                              replicated
+norms, router, q/k norms, shared-expert gate       -                              replicated
+value head: output_layer.{weight,bias}            ValueHead (ValueGPTModel)      replicated
 =================================================  =============================  =========
 
 Megatron's fused qkv rows are grouped per query group ([q_g, k_g, v_g] for each group g), so
@@ -111,16 +112,28 @@ def shard_state_dict(
 
     Raises:
         KeyError: a local key whose global name is missing in ``full_state_dict``.
+        ValueError: a sliced tensor whose shape differs from the chunk's.
     """
+    from sao_megatron.models.builders import ValueHead
+
+    value_head = isinstance(getattr(chunk, "output_layer", None), ValueHead)
+    local_state = chunk.state_dict()
     out = {}
     for local, global_name in local_to_global_names(chunk, ep_rank).items():
         if global_name not in full_state_dict:
             raise KeyError(f"{global_name!r} (local {local!r}) not in the full state dict")
         t = full_state_dict[global_name]
         group, dim, glu = shard_rule(global_name)
+        if value_head and global_name.startswith("output_layer."):
+            group = "none"  # the scalar value head is replicated on every TP rank
         if group == "tp":
             t = _split(t, dim, tp_rank, tp_size, glu)
         elif group == "etp":
             t = _split(t, dim, etp_rank, etp_size, glu)
-        out[local] = t.clone() if torch.is_tensor(t) else t
+        if torch.is_tensor(t):
+            want = local_state[local].shape
+            if t.shape != want:
+                raise ValueError(f"{global_name}: sliced shape {tuple(t.shape)} != local {want}")
+            t = t.clone()
+        out[local] = t
     return out
