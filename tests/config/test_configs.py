@@ -74,3 +74,21 @@ def test_job_config_cross_field_errors():
         load_config(JobConfig, None, ["stages=[rl,sft]"])
     with pytest.raises(ValueError, match="tokenizer.vocab_size"):
         load_config(JobConfig, None, ["tokenizer.vocab_size=4096"])
+
+
+EXAMPLES = sorted((__import__("pathlib").Path(__file__).parents[2] / "examples" / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_configs_load(path):
+    from sao_megatron.trainer.job import JobConfig
+
+    cfg = load_config(JobConfig, path)
+    assert cfg.run_dir.startswith("runs/")
+    assert cfg.model.head_dim in (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM CPU
+    assert cfg.model.moe_intermediate_size % 32 == 0  # vLLM CPU MoE packing
+
+
+def test_example_configs_exist():
+    names = {p.name for p in EXAMPLES}
+    assert {"quickstart.yaml", "grpo_baseline.yaml", "hanoi_long_horizon.yaml"} <= names
