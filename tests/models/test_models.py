@@ -137,3 +137,33 @@ def test_shard_state_dict_identity_at_one_rank(parallel_1rank, tiny_moe):
     local = shard_state_dict(full, policy, **parallel_1rank.shard_coords())
     assert local.keys() == full.keys()
     assert all(torch.equal(local[k], full[k]) for k in full if torch.is_tensor(full[k]))
+
+
+def test_qwen2_moe_shaped_variant_builds_and_matches_reference(parallel_1rank):
+    """Shared expert with gate, a dense layer, q/k/v biases, tied embeddings, pre-softmax router."""
+    from sao_megatron.models import MoEModelConfig
+    from tests.conftest import tiny_moe_kwargs
+
+    cfg = MoEModelConfig(
+        **{**tiny_moe_kwargs(), "qk_layernorm": False},
+        shared_expert_intermediate_size=48,
+        shared_expert_gate=True,
+        mlp_only_layers=[1],
+        intermediate_size=80,
+        attention_bias=True,
+        tie_word_embeddings=True,
+        norm_topk_prob=False,
+    )
+    policy = build_policy(cfg, parallel_1rank)
+    names = dict(policy[0].named_parameters())
+    assert "decoder.layers.0.mlp.shared_experts.gate_weight" in names
+    assert names["decoder.layers.1.mlp.linear_fc1.weight"].shape == (160, 64)  # dense SwiGLU
+    assert "decoder.layers.0.self_attention.linear_qkv.bias" in names
+    assert "output_layer.weight" not in names  # tied to the embedding
+    ids = _ids(2, 8)
+    batch = ModelInputs(ids, torch.ones_like(ids))
+    lp, _ = compute_policy_logprobs(policy, parallel_1rank, batch)
+    with torch.no_grad():
+        logits = policy[0](ids, batch.position_ids, causal_padding_mask(batch.attention_mask))
+    ref = torch.log_softmax(logits.double(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    torch.testing.assert_close(lp.double(), ref, rtol=1e-5, atol=1e-5)
