@@ -240,6 +240,8 @@ def megatron_to_hf_tensors(
         HF names and tensors (model dtype). With a sharded model this is a collective: every
         rank of a TP and EP group must iterate together; each rank yields the full tensors of
         its own pipeline stage (per-expert tensors for all experts, global indices).
+        Replicated, unsplit tensors may share storage with the parameters: write or clone them
+        before the next optimiser step.
 
     Raises:
         ValueError: a parameter the family table does not know.
