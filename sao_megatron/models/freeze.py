@@ -43,6 +43,7 @@ def apply_freeze(
     patterns: Iterable[str],
     *,
     require_match: bool = True,
+    group: torch.distributed.ProcessGroup | None = None,
 ) -> FreezeReport:
     """Set ``requires_grad=False`` on every parameter whose name matches a pattern.
 
@@ -54,8 +55,11 @@ def apply_freeze(
     Args:
         model: a module or a list of model chunks.
         patterns: regular expressions.
-        require_match: raise if a pattern matches nothing on this rank. Set False for PP stages
-            that legitimately lack e.g. the embedding (the caller should then check globally).
+        require_match: raise if a pattern matches no parameter.
+        group: if given, a pattern counts as matched when it matches on any rank of this group
+            (collective: every rank of the group must call ``apply_freeze``). Pass the pipeline
+            group (``ParallelState.pg_collection.pp``), or the world, when pipeline stages lack
+            e.g. the embedding.
 
     Raises:
         ValueError: an invalid regex, or (``require_match``) a pattern matching no parameter.
@@ -80,7 +84,13 @@ def apply_freeze(
             else:
                 report.num_trainable_params += param.numel()
                 report.trainable_names.append(name)
-    unmatched = [p for p, n in report.matches_per_pattern.items() if n == 0]
+    counts = [report.matches_per_pattern[p] for p, _ in compiled]
+    if group is not None and counts:
+        device = next(iter(chunks[0].parameters())).device
+        total = torch.tensor(counts, dtype=torch.int64, device=device)
+        torch.distributed.all_reduce(total, group=group)
+        counts = total.tolist()
+    unmatched = [p for (p, _), n in zip(compiled, counts, strict=True) if n == 0]
     if require_match and unmatched:
         raise ValueError(
             f"freeze pattern(s) {unmatched} match no parameter name; check model.value."

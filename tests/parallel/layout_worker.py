@@ -121,6 +121,26 @@ def _expected_adam_step(weights, grads):
     return out
 
 
+def _check_freeze_across_stages(model_cfg, st):
+    """The default value freeze patterns match nowhere on some stage (the embedding lives on
+    the first), so the check must be global over the pipeline group."""
+    from sao_megatron.models import VALUE_DEFAULT_FREEZE_PATTERNS, apply_freeze, build_value_model
+
+    value = build_value_model(model_cfg, st)
+    report = apply_freeze(value, VALUE_DEFAULT_FREEZE_PATTERNS, group=st.pg_collection.pp)
+    try:
+        apply_freeze(value, VALUE_DEFAULT_FREEZE_PATTERNS)
+        local = "no error"
+    except ValueError as e:
+        local = str(e)
+    try:
+        apply_freeze(value, ["no_such_param"], group=st.pg_collection.pp)
+        nowhere = "no error"
+    except ValueError as e:
+        nowhere = str(e)
+    return {"frozen": len(report.frozen_names), "local": local, "nowhere": nowhere}
+
+
 def _run_layout(model_cfg, pkw, weights, ref, batch, dist_opt=False, without=None):
     from sao_megatron.models import (
         build_policy,
@@ -146,10 +166,12 @@ def _run_layout(model_cfg, pkw, weights, ref, batch, dist_opt=False, without=Non
             chunk.load_state_dict(shard_state_dict(weights["policy"], chunk, **coords))
         for chunk in value:
             chunk.load_state_dict(shard_state_dict(weights["value"], chunk, **coords))
+        out = {}
+        if st.cfg.pp > 1:
+            out["freeze"] = _check_freeze_across_stages(model_cfg, st)
         rows = batch.input_ids.shape[0] // st.dp
         lo, hi = st.dp_rank * rows, (st.dp_rank + 1) * rows
         local = batch.slice(lo, hi)
-        out = {}
         lp, ent = compute_policy_logprobs(policy, st, local, TEMPERATURE, micro_batch_size=1)
         vals = compute_values(value, st, local, micro_batch_size=1)
         out["logprobs"] = _maxerr(lp, ref["logprobs"][lo:hi])

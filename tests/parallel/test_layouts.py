@@ -64,3 +64,12 @@ def test_variable_size_gather_on_gloo(layout_results):
         err, without = results["gather_variable_sizes"]
         assert err == 0.0
         assert "allgather" in without, without
+
+
+@pytest.mark.parametrize("layout", ["pp2", "pp2_vpp2"])
+def test_freeze_patterns_checked_across_pipeline_stages(layout_results, layout):
+    first, last = (results[layout]["freeze"] for results in layout_results)
+    assert first["frozen"] > 0 and last["frozen"] > 0
+    assert first["local"] == "no error"  # the first stage has embedding and attention
+    assert "embedding" in last["local"]  # the last stage alone has no embedding
+    assert "no_such_param" in first["nowhere"] and "no_such_param" in last["nowhere"]
