@@ -248,21 +248,25 @@ def load_converted_checkpoint(
 ) -> LoadReport:
     """Load a converted policy checkpoint into model chunks of any layout (policy or value).
 
-    For a value model (``build_value_model``) pass ``allow_missing=[r"^output_layer\\.linear\\."]``
-    (the value head keeps its explicit init) and ``allow_unexpected=[r"^output_layer\\.weight$"]``
-    (the policy's vocabulary head is not used).
+    For a value model (``build_value_model``) pass ``allow_missing=[r"^output_layer\\."]``: its
+    scalar head (``output_layer.weight [1, h]``, ``output_layer.bias``) has no counterpart in a
+    policy checkpoint (whose ``output_layer.weight`` is ``[vocab, h]``) and keeps its explicit
+    init. Keys whose global shape differs from the checkpoint's count as missing: they are never
+    loaded partially.
 
     Args:
         chunks: the model chunks of this rank (``build_policy`` / ``build_value_model`` output).
         ckpt_dir: a converted checkpoint folder (or its ``policy/`` subfolder).
-        allow_missing / allow_unexpected: regexes (``re.search``) of keys allowed to mismatch.
+        allow_missing: regexes (``re.search``) of model keys the checkpoint may lack (or hold
+            with another shape).
+        allow_unexpected: regexes of checkpoint keys the model may have no place for.
 
     Returns:
-        A :class:`LoadReport`.
+        A :class:`LoadReport` (sharded keys, as in the checkpoint).
 
     Raises:
-        ValueError: a missing or unexpected key not allowed by the patterns (lists them); nothing
-            is loaded then.
+        ValueError: a missing, reshaped or unexpected key not allowed by the patterns (lists
+            them); nothing is loaded then.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
@@ -275,10 +279,17 @@ def load_converted_checkpoint(
     # Checkpoint keys are the ShardedTensor keys (Megatron maps local-spec names to TE-style
     # ones, e.g. input_layernorm -> linear_qkv.layer_norm_weight), not the state-dict keys.
     by_key: dict[str, list[str]] = {}
+    shape_problems: dict[str, str] = {}
     for name, value in sharded.items():
         if type(value).__name__ in ("ShardedTensor", "ShardedTensorFactory"):
             by_key.setdefault(value.key, []).append(name)
-    missing = sorted(k for k in by_key if k not in meta)
+            shape = getattr(value, "global_shape", None)  # factories (SwiGLU experts): no shape
+            if shape is not None and value.key in meta and meta[value.key].global_shape != shape:
+                shape_problems[value.key] = (
+                    f"{value.key}: model {tuple(shape)}, checkpoint "
+                    f"{tuple(meta[value.key].global_shape)}"
+                )
+    missing = sorted(k for k in by_key if k not in meta or k in shape_problems)
     # Other pipeline stages / expert ranks hold the rest: unexpected = in no rank's model.
     all_keys = set(by_key)
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -286,13 +297,15 @@ def load_converted_checkpoint(
         dist.all_gather_object(gathered, sorted(by_key))
         all_keys = set().union(*gathered)
     unexpected = sorted(k for k in meta if k not in all_keys)
-    bad_missing = [k for k in missing if not any(re.search(p, k) for p in allow_missing)]
+    bad_missing = [
+        shape_problems.get(k, k) for k in missing if not any(re.search(p, k) for p in allow_missing)
+    ]
     bad_unexpected = [k for k in unexpected if not any(re.search(p, k) for p in allow_unexpected)]
-    if bad_missing or bad_unexpected:
+    if not _all_ok(not (bad_missing or bad_unexpected)):
         raise ValueError(
-            f"checkpoint {ckpt} does not fit the model: missing in checkpoint {bad_missing[:10]}"
-            f" ({len(bad_missing)}), unexpected in checkpoint {bad_unexpected[:10]} "
-            f"({len(bad_unexpected)}). Nothing was loaded."
+            f"checkpoint {ckpt} does not fit the model: missing in checkpoint (or another "
+            f"shape) {bad_missing[:10]} ({len(bad_missing)}), unexpected in checkpoint "
+            f"{bad_unexpected[:10]} ({len(bad_unexpected)}) on this rank. Nothing was loaded."
         )
     skipped = {name for key in missing for name in by_key[key]}
     for name in skipped:

@@ -93,6 +93,36 @@ def test_value_model_from_converted_checkpoint(converted, parallel_1rank):
     assert value.output_layer.state_dict().keys() == head.keys()
 
 
+def test_value_model_loads_converted_checkpoint_directly(converted, parallel_1rank):
+    """The value head [1, h] is not the policy's output layer [vocab, h]: reported as missing,
+    never partially loaded; the trunk comes from the checkpoint."""
+    from sao_megatron.convert.checkpoint import load_converted_checkpoint, read_metadata
+    from sao_megatron.models import MoEModelConfig, build_value_model
+
+    _, mg_dir, hf_model = converted
+    cfg = MoEModelConfig(**read_metadata(mg_dir)["model_config"])
+    (value,) = build_value_model(cfg, parallel_1rank)
+    head = {k: v.clone() for k, v in value.output_layer.state_dict().items()}
+    with pytest.raises(
+        ValueError, match=r"output_layer\.weight: model \(1, 32\), checkpoint \(96, 32\)"
+    ):
+        load_converted_checkpoint([value], mg_dir)
+    report = load_converted_checkpoint([value], mg_dir, allow_missing=[r"^output_layer\."])
+    assert report.missing == ["output_layer.bias", "output_layer.weight"]
+    assert report.unexpected == []
+    source = hf_model.state_dict()
+    state = value.state_dict()
+    assert torch.equal(
+        state["embedding.word_embeddings.weight"], source["model.embed_tokens.weight"]
+    )
+    assert torch.equal(
+        state["decoder.layers.1.mlp.shared_experts.gate_weight"],
+        source["model.layers.1.mlp.shared_expert_gate.weight"],
+    )
+    for key, tensor in value.output_layer.state_dict().items():
+        assert torch.equal(tensor, head[key]), key  # explicit init kept
+
+
 def test_checkpoint_model_mismatch_is_listed(converted, parallel_1rank):
     """A tied policy has no place for the checkpoint's output layer: reported, then allowed."""
     from sao_megatron.convert.checkpoint import load_converted_checkpoint, read_metadata
