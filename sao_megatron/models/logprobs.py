@@ -37,7 +37,8 @@ def token_logprobs_and_entropy(
         logits: [..., vocab/tp] logits of this rank's vocabulary shard (any float dtype).
         target_ids: [...] int64 token ids in the full vocabulary.
         temperature: > 0, the sampling temperature of the rollout engine.
-        tp_group: tensor-parallel group; default Megatron's TP group.
+        tp_group: Megatron's tensor-parallel group (default: this rank's, from
+            ``initialize_parallel``); Megatron's vocab-parallel cross entropy always uses it.
 
     Returns:
         (logprobs [...] float32, entropy [...] float32)
@@ -55,9 +56,9 @@ def token_logprobs_and_entropy(
             "expected logits [..., vocab/tp] and target_ids [...]"
         )
     if tp_group is None:
-        from megatron.core import parallel_state  # default group only
+        from sao_megatron.parallel.state import tensor_parallel_group
 
-        tp_group = parallel_state.get_tensor_model_parallel_group()
+        tp_group = tensor_parallel_group()
     z = logits.float() / temperature
     # Megatron's CE subtracts the max in place, so it gets its own copy.
     logprobs = -tensor_parallel.vocab_parallel_cross_entropy(z.clone(), target_ids)

@@ -141,6 +141,13 @@ def initialize_parallel(cfg: ParallelConfig) -> ParallelState:
     )
 
 
+def tensor_parallel_group() -> dist.ProcessGroup:
+    """Megatron's tensor-parallel group of this rank (requires ``initialize_parallel``)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_group()
+
+
 def destroy_parallel(destroy_process_group: bool = False) -> None:
     """Tear down Megatron's model-parallel state (and optionally torch.distributed).
 

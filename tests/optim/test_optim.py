@@ -134,3 +134,22 @@ def test_lr_warmup_then_cosine(parallel_1rank, tiny_moe):
         1e-4 + 0.5 * (1e-3 - 1e-4) * (1 + torch.cos(torch.tensor(0.5 * torch.pi)).item())
     )
     assert lrs[-1] == pytest.approx(1e-4)
+
+
+@pytest.mark.parametrize("params_dtype", ["bf16", "fp16"])
+def test_mixed_precision_with_distributed_optimizer(parallel_1rank, tiny_moe, params_dtype):
+    precision = PrecisionConfig(params_dtype=params_dtype)
+    policy = build_policy(tiny_moe, parallel_1rank, precision)
+    cfg = OptimizerConfig(lr=1e-2, distributed_optimizer=True)
+    ts = build_optimizer(policy, parallel_1rank, cfg, precision)
+    losses = []
+    for _ in range(2):
+        ts.zero_grad()
+        rec = forward_backward(
+            ts.model, parallel_1rank, _batch(), kind="policy", loss_fn=_policy_loss
+        )
+        ok, _ = ts.step()
+        assert ok
+        losses.append(float(rec[0]["loss"]))
+    assert losses[1] < losses[0]
+    assert all(p.dtype == precision.torch_dtype for p in policy[0].parameters())

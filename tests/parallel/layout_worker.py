@@ -174,6 +174,7 @@ def _run_layout(model_cfg, pkw, weights, ref, batch, dist_opt=False, without=Non
         local = batch.slice(lo, hi)
         lp, ent = compute_policy_logprobs(policy, st, local, TEMPERATURE, micro_batch_size=1)
         vals = compute_values(value, st, local, micro_batch_size=1)
+        out["outputs"] = {"logprobs": lp, "values": vals}
         out["logprobs"] = _maxerr(lp, ref["logprobs"][lo:hi])
         out["entropy"] = _maxerr(ent, ref["entropy"][lo:hi])
         out["values"] = _maxerr(vals, ref["values"][lo:hi])
@@ -188,7 +189,7 @@ def _run_layout(model_cfg, pkw, weights, ref, batch, dist_opt=False, without=Non
             )
             ts = build_optimizer(models, st, ocfg, PrecisionConfig())
             ts.zero_grad()
-            forward_backward(
+            records = forward_backward(
                 ts.model,
                 st,
                 local,
@@ -197,6 +198,7 @@ def _run_layout(model_cfg, pkw, weights, ref, batch, dist_opt=False, without=Non
                 loss_fn=lambda o, mb, loss=loss, n=n: loss(o, mb, n),
                 temperature=TEMPERATURE,
             )
+            out[f"{kind}_losses"] = [float(r["loss"]) for r in records]
             err, scale, count = 0.0, 0.0, 0
             # (the distributed optimiser reduce-scatters main_grad: only the step is checked)
             for chunk in [] if dist_opt else ts.unwrapped:
