@@ -92,11 +92,13 @@ def test_cuda_tensor_type_report_needed(without, parallel_1rank, tiny_moe):
 
 
 def test_tensor_type_spoof_only_for_megatron_optimizer(parallel_1rank):
+    assert "report_cuda_tensor_types_to_optimizer" in cpu_compat.active_workarounds()
     assert torch.zeros(1).type() == "torch.FloatTensor"
     assert torch.zeros(1, dtype=torch.bfloat16).type() == "torch.BFloat16Tensor"
 
 
 def test_device_mapping():
+    cpu_compat.enable_cpu_compat()
     assert torch.zeros(2, device="cuda").device.type == "cpu"
     assert torch.ones(2).cuda().device.type == "cpu"
     assert torch.ones(2).to("cuda").device.type == "cpu"
