@@ -227,6 +227,7 @@ class Controller:
                 logger.log(pretrain_done, m | _episode_metrics(batch))
         if "rl" not in job.stages:
             return
+        m: dict[str, float] = {}
         with self._logger("rl", job.rl.steps, step) as logger:
             while step < job.rl.steps:
                 with timer.phase("rollout_wait"):

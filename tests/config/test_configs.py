@@ -76,7 +76,9 @@ def test_job_config_cross_field_errors():
         load_config(JobConfig, None, ["tokenizer.vocab_size=4096"])
 
 
-EXAMPLES = sorted((__import__("pathlib").Path(__file__).parents[2] / "examples" / "configs").glob("*.yaml"))
+EXAMPLES = sorted(
+    (__import__("pathlib").Path(__file__).parents[2] / "examples" / "configs").glob("*.yaml")
+)
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])

@@ -17,7 +17,9 @@ def _node(obs, act, reward=0.0, version=0):
 
 def _trajs():
     a = Trajectory(task_id="a", nodes=[_node([1, 2], [3, 4]), _node([5], [6], reward=1.0)])
-    b = Trajectory(task_id="b", nodes=[_node([7], [8, 9, 10], reward=0.5, version=2)], truncated=True)
+    b = Trajectory(
+        task_id="b", nodes=[_node([7], [8, 9, 10], reward=0.5, version=2)], truncated=True
+    )
     w = Trajectory(
         task_id="w",
         context_mode="window",

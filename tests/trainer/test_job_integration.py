@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from sao_megatron.rollout.engine import REPO_ROOT
 
@@ -53,12 +54,22 @@ def _run(run_dir: Path, *overrides: str, nproc: int = 1) -> subprocess.Completed
     if nproc == 1:
         cmd = [sys.executable, "-W", "ignore", "-m", "sao_megatron.cli.train", *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               "--master_port=0", "-m", "sao_megatron.cli.train", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--master_port=0",
+            "-m",
+            "sao_megatron.cli.train",
+            *args,
+        ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     p = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
     if p.returncode:
-        raise AssertionError(f"sao-train failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}")
+        raise AssertionError(
+            f"sao-train failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+        )
     return p
 
 
@@ -89,8 +100,13 @@ def test_sao_job_1rank(tmp_path):
 
 
 def test_grpo_job_1rank(tmp_path):
-    _run(tmp_path / "grpo", "rl.steps=3", "algorithm.name=grpo", "algorithm.grpo_group_size=2",
-         "stages=[sft,rl]")
+    _run(
+        tmp_path / "grpo",
+        "rl.steps=3",
+        "algorithm.name=grpo",
+        "algorithm.grpo_group_size=2",
+        "stages=[sft,rl]",
+    )
     recs = _check_run(tmp_path / "grpo", 3, max_staleness=1)
     assert "value/loss_0" not in recs[0]
 
@@ -121,3 +137,36 @@ def test_corrupted_checkpoint_is_refused(tmp_path):
     victim.write_bytes(victim.read_bytes()[:10])
     with pytest.raises(AssertionError, match="(?i)checkpoint"):
         _run(run, "sft.steps=3", "stages=[sft]")
+
+
+@pytest.mark.distributed
+def test_rl_loads_sft_checkpoint_in_another_layout(tmp_path):
+    """SFT at 1 rank, RL at TP=2+SP on 2 ranks: the policy the RL stage serves (its HF export
+    before any update) is bit-identical to the SFT weights exported at 1 rank."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    _run(a, "stages=[sft,rl]", "rl.steps=0", "tasks.num_eval_tasks=0")
+    b.mkdir()
+    shutil.copytree(a / "tokenizer", b / "tokenizer")
+    shutil.copytree(a / "checkpoints" / "sft", b / "checkpoints" / "sft")
+    _run(
+        b,
+        "stages=[rl]",
+        "rl.steps=1",
+        "tasks.num_eval_tasks=0",
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "algorithm.name=grpo",
+        "algorithm.grpo_group_size=2",
+        nproc=2,
+    )
+    wa = load_file(a / "hf_policy" / "model-00001-of-00001.safetensors")
+    wb = load_file(next((b / "rollout" / "weights").rglob("*.safetensors")))  # version 1
+    hb = load_file(b / "hf_policy" / "model-00001-of-00001.safetensors")  # as loaded (v0)
+    assert wa.keys() == hb.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], hb[k]), k
+    assert any(not torch.equal(wa[k], wb[k]) for k in wa)  # and RL then changed it

@@ -29,8 +29,12 @@ def _random_trajectories(num, seed, group_size=1):
         for j in range(group_size):
             nodes = []
             for _ in range(int(torch.randint(1, 4, (1,), generator=g))):
-                obs = torch.randint(1, 128, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g)
-                act = torch.randint(1, 128, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g)
+                obs = torch.randint(
+                    1, 128, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g
+                )
+                act = torch.randint(
+                    1, 128, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g
+                )
                 nodes.append(
                     ActionNode(
                         observation_token_ids=obs.tolist(),
@@ -50,8 +54,11 @@ def _with_policy_behaviour(policy_model, parallel, trajs):
     lp, _ = compute_policy_logprobs(
         policy_model,
         parallel,
-        ModelInputs(input_ids=batch.token_ids, attention_mask=batch.loss_mask,
-                    position_ids=batch.position_ids),
+        ModelInputs(
+            input_ids=batch.token_ids,
+            attention_mask=batch.loss_mask,
+            position_ids=batch.position_ids,
+        ),
     )
     for r, traj in enumerate(trajs):
         pos = torch.nonzero(batch.action_mask[r]).flatten().tolist()
@@ -78,7 +85,9 @@ def test_sao_step_on_policy(tiny_moe, parallel_1rank):
     v_state = build_optimizer(value, parallel_1rank, OptimizerConfig(lr=5e-3), prec)
     batch = _with_policy_behaviour(p_state.model, parallel_1rank, _random_trajectories(6, 0))
     before_p, before_v = _params(policy), _params(value)
-    step = RLStep(AlgorithmConfig(), parallel_1rank, p_state, v_state, StepConfig(micro_batch_size=4))
+    step = RLStep(
+        AlgorithmConfig(), parallel_1rank, p_state, v_state, StepConfig(micro_batch_size=4)
+    )
     m = step.train_step(batch, train_version=0)
     # behaviour = current policy => importance ratio exactly 1 on every action token
     assert m["offpolicy/mean_abs_one_minus_ratio"] < 1e-5
