@@ -316,6 +316,7 @@ class EngineClient:
         stop_token_ids: list[int],
         seed: int | None = None,
         request_id: str | None = None,
+        ignore_eos: bool = False,
     ) -> Generation:
         """Sample one action from token ids (``/inference/v1/generate``, tokens in and out).
 
@@ -331,6 +332,8 @@ class EngineClient:
         }
         if seed is not None:
             sp["seed"] = seed
+        if ignore_eos:  # benchmarks/tests: generate exactly max_tokens
+            sp["ignore_eos"] = True
         body: dict = {
             "model": SERVED_MODEL_NAME,
             "token_ids": list(prompt_ids),
@@ -369,7 +372,13 @@ class EngineClient:
             raise EngineError(f"{self.name} /weight_info: {e}") from e
 
     async def reset_prefix_cache(self) -> None:
-        await self._post("/reset_prefix_cache", timeout=60.0)
+        """Drop all cached KV, including that of paused requests in flight (they are preempted
+        and recompute their prefix with the new weights on resume). EngineError if refused."""
+        r = await self._post(
+            "/reset_prefix_cache", params={"reset_running_requests": "true"}, timeout=60.0
+        )
+        if not r.json().get("success", False):
+            raise EngineError(f"{self.name} refused to reset its prefix cache: {r.text[:200]}")
 
     async def healthy(self, timeout_s: float = 5.0) -> bool:
         try:
@@ -390,7 +399,9 @@ def parse_generation(r: httpx.Response, name: str) -> Generation:
         versions = [0] * len(ids)
         covered = 0
         for span in choice.get("weight_versions") or []:
-            v, s, e = int(span["version"]), int(span["start"]), int(span["end"])
+            label = span["version"]  # vLLM starts at "default": the checkpoint = version 0
+            v = 0 if label == "default" else int(label)
+            s, e = int(span["start"]), int(span["end"])
             versions[s:e] = [v] * (e - s)
             covered += e - s
         if covered != len(ids):

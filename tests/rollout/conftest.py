@@ -41,11 +41,10 @@ def write_tiny_model(out: Path, seed: int) -> Path:
     return out
 
 
-def hf_logprobs(model_dir, items, *, temperature=1.0, top_p=1.0, weights=None) -> list[list[float]]:
+def hf_logprobs(model_dir, items, *, temperature=1.0, top_p=1.0) -> list[list[float]]:
     """Reference log-probs from transformers in fp32 (tests/rollout/hf_logprobs.py, vLLM venv)."""
     req = {
         "model_dir": str(model_dir),
-        "weights": str(weights) if weights else None,
         "temperature": temperature,
         "top_p": top_p,
         "items": items,

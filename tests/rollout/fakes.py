@@ -86,6 +86,7 @@ class FakeEngineClient:
         stop_token_ids,
         seed=None,
         request_id=None,
+        ignore_eos=False,
     ) -> Generation:
         e = self.engine
         self._check()

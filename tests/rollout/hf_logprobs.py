@@ -1,12 +1,12 @@
 """Reference log-probs of a Hugging Face causal LM in fp32 (run with the vLLM venv's Python).
 
-Reads JSON from stdin: {"model_dir": str, "weights": str | null, "temperature": float,
+Reads JSON from stdin: {"model_dir": str, "temperature": float,
 "top_p": float, "items": [{"prompt": [int], "completion": [int]}]} and prints
 {"logprobs": [[float]]}: for each item, the log-prob of each completion token under the sampling
 distribution — softmax(logits / temperature) restricted to the top-p nucleus (the smallest set of
 most likely tokens whose probability reaches top_p, as vLLM's sampler keeps it) and renormalised —
-with logits from transformers in float32 for the checkpoint in model_dir (optionally with the
-tensors of the safetensors file `weights` loaded over it), softmax in float64.
+with logits from transformers in float32 for the checkpoint in model_dir, softmax in
+float64.
 The vLLM integration tests use it as the trainer-side recomputation.
 """
 
@@ -14,7 +14,6 @@ import json
 import sys
 
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 
@@ -22,9 +21,6 @@ def main() -> None:
     req = json.load(sys.stdin)
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(req["model_dir"], dtype=torch.float32).eval()
-    if req.get("weights"):
-        missing, unexpected = model.load_state_dict(load_file(req["weights"]), strict=False)
-        assert not unexpected, unexpected
     temperature = float(req.get("temperature", 1.0))
     top_p = float(req.get("top_p", 1.0))
     out = []

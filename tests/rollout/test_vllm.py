@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
 
+import httpx
 import pytest
 from safetensors.torch import load_file
 
@@ -138,16 +140,34 @@ def test_weight_sync_changes_outputs_exactly_as_new_weights(engines, tiny_models
     fmt = make_formatter()
     cfg = config(tmp_path, engine_urls=[p.url for p in engines], trajectories_per_batch=1)
 
+    n_tok = 1800
+
     async def long_generation(client):
         return await client.generate(
-            prompt, max_tokens=400, temperature=1.0, top_p=1.0, stop_token_ids=[], seed=7
+            prompt,
+            max_tokens=n_tok,
+            temperature=1.0,
+            top_p=1.0,
+            stop_token_ids=[],
+            seed=7,
+            ignore_eos=True,
         )
+
+    def wait_until_running(url: str) -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            text = httpx.get(url + "/metrics", timeout=5).text
+            running = re.search(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)", text, re.M)
+            if running and float(running.group(1)) >= 1:
+                return
+            time.sleep(0.01)
+        raise AssertionError("the long request never started")
 
     with RolloutManager(cfg, fmt, [Task(task_id="c0", make_env=CountEnv, seed=0)]) as m:
         m.get_batch(0, timeout=120)
         # an action in flight during the sync: its tokens switch version at the pause
         fut = asyncio.run_coroutine_threadsafe(long_generation(m.clients[0]), m._loop)
-        time.sleep(0.3)
+        wait_until_running(engines[0].url)
         res = m.publish_weights(load_file(new), version=1)
         gen = fut.result(timeout=120)
         versions_seen = [
@@ -158,11 +178,9 @@ def test_weight_sync_changes_outputs_exactly_as_new_weights(engines, tiny_models
     assert len(res.reports) == 2 and all(0 < r.pause_s < 5 for r in res.reports)
     assert all(r.num_repacked_layers == 2 for r in res.reports)  # the 0.32.0 CPU MoE fix ran
     k = gen.policy_versions.index(1)
-    assert 0 < k < 400 and gen.policy_versions == [0] * k + [1] * (400 - k)
+    assert 0 < k < n_tok and gen.policy_versions == [0] * k + [1] * (n_tok - k)
     old_ref = hf_logprobs(tiny_models[0], [{"prompt": prompt, "completion": gen.token_ids}])[0]
-    new_ref = hf_logprobs(
-        tiny_models[0], [{"prompt": prompt, "completion": gen.token_ids}], weights=new
-    )[0]
+    new_ref = hf_logprobs(tiny_models[1], [{"prompt": prompt, "completion": gen.token_ids}])[0]
     # tokens before the switch follow the old weights, tokens after it the new ones
     assert max(abs(a - b) for a, b in zip(gen.logprobs[:k], old_ref[:k], strict=True)) < TOL
     assert max(abs(a - b) for a, b in zip(gen.logprobs[k:], new_ref[k:], strict=True)) < TOL
