@@ -74,7 +74,11 @@ def _build(
     precision = precision or PrecisionConfig()
     precision.check_platform(parallel.platform.is_cuda, parallel.platform.use_te)
     config = build_transformer_config(
-        model, parallel.cfg, precision, use_cuda=parallel.platform.is_cuda
+        model,
+        parallel.cfg,
+        precision,
+        use_cuda=parallel.platform.is_cuda,
+        use_te=parallel.platform.use_te,
     )
     num_chunks = parallel.cfg.virtual_pp or 1
     chunks = []

@@ -56,6 +56,7 @@ def build_transformer_config(
     precision: PrecisionConfig | None = None,
     *,
     use_cuda: bool | None = None,
+    use_te: bool | None = None,
 ) -> TransformerConfig:
     """Megatron ``TransformerConfig`` for ``model`` split by ``parallel`` in ``precision``.
 
@@ -66,12 +67,18 @@ def build_transformer_config(
     Args:
         use_cuda: override the platform (default: ``torch.cuda.is_available()``). On CPU weights
             are initialised on CPU and CUDA-only fusions are off.
+        use_te: Transformer Engine specs (default: CUDA and TE importable); selects TE's
+            grouped expert GEMM.
 
     Raises:
         ValueError: incompatible sizes (see ``check_model_parallel_compat``); fp8 on CPU.
     """
     precision = precision or PrecisionConfig()
     use_cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
+    if use_te is None:
+        from sao_megatron.platform import transformer_engine_available
+
+        use_te = use_cuda and transformer_engine_available()
     check_model_parallel_compat(model, parallel)
     dtype = precision.torch_dtype
     moe_pattern = [0 if i in model.mlp_only_layers else 1 for i in range(model.num_hidden_layers)]
@@ -108,7 +115,7 @@ def build_transformer_config(
         moe_aux_loss_coeff=model.router_aux_loss_coef,
         moe_token_dispatcher_type=model.moe_token_dispatcher_type,
         moe_router_dtype="fp32",
-        moe_grouped_gemm=use_cuda,
+        moe_grouped_gemm=use_te,
         # parallelism
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
