@@ -29,18 +29,22 @@ class ValueHead(MegatronModule):
     the last stage; dist_checkpointing stores them replicated).
     """
 
-    def __init__(self, config: TransformerConfig, init_std: float) -> None:
+    def __init__(self, config: TransformerConfig, init_std: float, seed: int = 0) -> None:
         super().__init__(config=config)
         dtype = config.params_dtype
         self.weight = torch.nn.Parameter(torch.empty(1, config.hidden_size, dtype=dtype))
         self.bias = torch.nn.Parameter(torch.empty(1, dtype=dtype))
         self.init_std = init_std
+        self.seed = seed
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Explicit init: weight ~ N(0, init_std^2), bias = 0."""
+        """Explicit init: weight ~ N(0, init_std^2) from a generator seeded by ``seed`` (the
+        same on every rank and in every layout), bias = 0."""
+        gen = torch.Generator().manual_seed(self.seed)
         with torch.no_grad():
-            self.weight.normal_(0.0, self.init_std)
+            w = torch.randn(self.weight.shape, generator=gen) * self.init_std
+            self.weight.copy_(w)
             self.bias.zero_()
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
@@ -57,11 +61,13 @@ class ValueGPTModel(GPTModel):
     vocabulary output layer; ``forward`` returns values ``[b, s, 1]`` there (and hidden states on
     other stages, as GPTModel). Embeddings are never tied to an output layer."""
 
-    def __init__(self, *args, value_head_init_std: float = 0.02, **kwargs) -> None:
+    def __init__(
+        self, *args, value_head_init_std: float = 0.02, value_head_seed: int = 0, **kwargs
+    ) -> None:
         kwargs["share_embeddings_and_output_weights"] = False
         super().__init__(*args, **kwargs)
         if self.post_process:
-            self.output_layer = ValueHead(self.config, value_head_init_std)
+            self.output_layer = ValueHead(self.config, value_head_init_std, value_head_seed)
 
 
 def _build(
@@ -101,6 +107,10 @@ def _build(
         )
         if parallel.platform.is_cuda:
             chunk.cuda(torch.cuda.current_device())
+        else:
+            from sao_megatron.models.init import init_layout_independent
+
+            init_layout_independent(chunk, config, parallel.cfg.seed, **parallel.shard_coords())
         chunks.append(chunk)
     return chunks
 
@@ -118,8 +128,9 @@ def build_policy(
 
     Returns:
         The model chunks (length ``parallel.cfg.virtual_pp or 1``), params in
-        ``precision.params_dtype``; weights use Megatron's seeded init
-        (``parallel.cfg.seed``).
+        ``precision.params_dtype``. Init is seeded by ``parallel.cfg.seed``: on CPU
+        layout-independent (``sao_megatron.models.init``: any TP/EP/PP layout gets the slices of
+        the same 1-rank model), on GPU Megatron's own init with its RNG tracker.
 
     Raises:
         ValueError: model and layout incompatible (field named), fp8 without CUDA/TE.
@@ -146,5 +157,10 @@ def build_value_model(
     ``init_value_from_policy``. Same errors as ``build_policy``.
     """
     return _build(
-        ValueGPTModel, model, parallel, precision, value_head_init_std=value_head_init_std
+        ValueGPTModel,
+        model,
+        parallel,
+        precision,
+        value_head_init_std=value_head_init_std,
+        value_head_seed=parallel.cfg.seed,
     )

@@ -162,11 +162,17 @@ def _run_layout(model_cfg, pkw, weights, ref, batch, dist_opt=False, without=Non
         coords = st.shard_coords()
         policy = build_policy(model_cfg, st)
         value = build_value_model(model_cfg, st)
+        init_err = 0.0  # CPU init is layout-independent: same seed -> slices of the 1-rank model
+        for kind, models in (("policy", policy), ("value", value)):
+            for chunk in models:
+                expected = shard_state_dict(weights[kind], chunk, **coords)
+                for name, p in chunk.named_parameters():
+                    init_err = max(init_err, _maxerr(p, expected[name]))
         for chunk in policy:
             chunk.load_state_dict(shard_state_dict(weights["policy"], chunk, **coords))
         for chunk in value:
             chunk.load_state_dict(shard_state_dict(weights["value"], chunk, **coords))
-        out = {}
+        out = {"init": init_err}
         if st.cfg.pp > 1:
             out["freeze"] = _check_freeze_across_stages(model_cfg, st)
         rows = batch.input_ids.shape[0] // st.dp

@@ -26,6 +26,7 @@ def test_layout_matches_single_rank(layout_results, layout):
     for rank, results in enumerate(layout_results):
         res = results[layout]
         assert "error" not in res, f"rank {rank}: {res.get('error')}"
+        assert res["init"] == 0.0, (rank, "seeded CPU init differs from the 1-rank model")
         # outputs: every rank that holds the last stage gets them (PP broadcasts)
         assert res["logprobs"] <= RTOL * res["logprobs_scale"], (rank, res)
         assert res["entropy"] <= RTOL * 5.0, (rank, res)
