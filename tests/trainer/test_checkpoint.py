@@ -454,3 +454,68 @@ def test_two_ranks_resharded_load(tmp_path):
     assert not alive, f"ranks hung: {messages}"
     assert not messages and all(p.exitcode == 0 for p in procs), messages
     assert sorted(os.listdir(tmp_path)) == ["latest", "step_00000005", "step_00000006"]
+
+
+# ---------------------------------------------------------------- real policy + optimiser --------
+def test_policy_and_optimizer_resume_continues_exactly(one_rank, tmp_path):
+    """MoE policy + Megatron Adam: the resumed run's next step equals the uninterrupted one."""
+    from megatron.core import parallel_state as ps
+
+    from sao_megatron.models import MoEModelConfig, build_policy
+    from sao_megatron.optim import OptimizerConfig, PrecisionConfig, build_optimizer
+    from sao_megatron.parallel import ParallelConfig, destroy_parallel, initialize_parallel
+
+    model_cfg = MoEModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    )
+
+    def build():
+        parallel = initialize_parallel(ParallelConfig(seed=3))
+        chunks = build_policy(model_cfg, parallel, PrecisionConfig())
+        return chunks[0], build_optimizer(
+            chunks, parallel, OptimizerConfig(lr=1e-2), PrecisionConfig()
+        )
+
+    def step(train, seed):
+        g = torch.Generator().manual_seed(seed)
+        for p in train.model[0].parameters():
+            p.main_grad.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        assert train.step()[0]
+
+    def parts(model, train, loading):
+        model_sd = model.sharded_state_dict()
+        return {
+            "policy": model_sd,
+            "policy_optimizer": train.optimizer.sharded_state_dict(
+                model.sharded_state_dict(), is_loading=loading
+            ),
+        }
+
+    ps.destroy_model_parallel()
+    try:
+        mgr = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path)))
+        model, train = build()
+        step(train, 1)
+        mgr.save(parts(model, train, False), CommonState(train_step=1))
+        step(train, 2)  # the uninterrupted run's step 2
+        expected = {k: v.detach().clone() for k, v in model.named_parameters()}
+        destroy_parallel()
+
+        model, train = build()  # as a fresh process: initial weights, empty Adam state
+        result = mgr.load(mgr.resolve_resume(), parts(model, train, True))
+        train.optimizer.load_state_dict(result.state_dicts["policy_optimizer"])
+        step(train, 2)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p, expected[name], rtol=0, atol=0, msg=name)
+        destroy_parallel()
+    finally:
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tensor_model_parallel_size=1)
