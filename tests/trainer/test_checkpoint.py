@@ -231,16 +231,23 @@ def test_round_trip_all_parts(one_rank, tmp_path):
 
 
 def test_rng_restore_reproduces_draws(one_rank, tmp_path):
+    from megatron.core import tensor_parallel
+
     mgr = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path)))
     random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    tensor_parallel.model_parallel_cuda_manual_seed(5)  # Megatron's model-parallel tracker
     path = _save(mgr, step=1)
 
     def draws():
-        return random.random(), np.random.rand(3).tolist(), torch.rand(4).tolist()
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            tracked = torch.rand(2).tolist()
+        return random.random(), np.random.rand(3).tolist(), torch.rand(4).tolist(), tracked
 
     expected = draws()
     random.seed(99), np.random.seed(99), torch.manual_seed(99)
-    assert draws() != expected
+    tensor_parallel.model_parallel_cuda_manual_seed(99)
+    changed = draws()
+    assert all(a != b for a, b in zip(changed, expected, strict=True))
     result = mgr.load(path, {"policy": _build_model(1, None).sharded_state_dict()})
     assert result.rng_restored
     assert draws() == expected
