@@ -253,6 +253,15 @@ def _atomic_write_text(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
+def _fsync_and_list(root: Path) -> dict[str, int]:
+    """fsync every file under root; return {relative posix path: size}."""
+    out = {}
+    for f in sorted(p for p in root.rglob("*") if p.is_file()):
+        _fsync_file(f)
+        out[f.relative_to(root).as_posix()] = f.stat().st_size
+    return out
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -488,10 +497,16 @@ class CheckpointManager:
                 for f in tokenizer_files:
                     shutil.copy2(f, tmp / "tokenizer" / Path(f).name)
         _barrier()
+        seen = _fsync_and_list(tmp)  # each rank flushes what it sees (its own files at least)
+        gathered = [seen]
+        if _world() > 1:
+            gathered = [None] * _world()
+            dist.all_gather_object(gathered, seen)
         error = None
         if _rank() == 0:
             try:
-                self._finalize(tmp, final, step, list(sharded_state_dicts), layout)
+                expected = {rel: size for g in gathered for rel, size in g.items()}
+                self._finalize(tmp, final, step, list(sharded_state_dicts), layout, expected)
             except Exception as exc:  # every rank must learn about it, not hang in the barrier
                 error = f"{type(exc).__name__}: {exc}"
         error = _from_rank0(error)
@@ -501,17 +516,34 @@ class CheckpointManager:
         return final
 
     def _finalize(
-        self, tmp: Path, final: Path, step: int, parts: list[str], layout: Mapping | None
+        self,
+        tmp: Path,
+        final: Path,
+        step: int,
+        parts: list[str],
+        layout: Mapping | None,
+        expected: Mapping[str, int],
     ) -> None:
-        """Rank 0: fsync, manifest, rename, ``latest``, prune (in that order)."""
+        """Rank 0: wait until every file any rank wrote is visible, manifest, rename,
+        ``latest``, prune (in that order)."""
         import megatron.core
 
+        deadline = time.monotonic() + 60.0  # shared file systems may show other nodes' files late
+        while True:
+            mine = _fsync_and_list(tmp)
+            missing = [r for r, size in expected.items() if mine.get(r) != size]
+            if not missing or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
+        if missing:
+            raise CheckpointError(
+                f"files written by other ranks are not visible from rank 0 after 60 s: "
+                f"{_summary(missing)}; is {self.save_dir} on storage shared by all nodes?"
+            )
         files = {}
-        for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
-            _fsync_file(f)
-            size = f.stat().st_size
-            digest = _sha256(f) if size <= self.config.hash_max_bytes else None
-            files[f.relative_to(tmp).as_posix()] = {"size": size, "sha256": digest}
+        for rel, size in sorted(mine.items()):
+            digest = _sha256(tmp / rel) if size <= self.config.hash_max_bytes else None
+            files[rel] = {"size": size, "sha256": digest}
         for d in [tmp, *(p for p in tmp.rglob("*") if p.is_dir())]:
             _fsync_dir(d)
         manifest = {
