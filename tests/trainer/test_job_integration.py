@@ -59,7 +59,7 @@ def _run(run_dir: Path, *overrides: str, nproc: int = 1) -> subprocess.Completed
             "-m",
             "torch.distributed.run",
             f"--nproc_per_node={nproc}",
-            "--master_port=0",
+            "--standalone",
             "-m",
             "sao_megatron.cli.train",
             *args,
