@@ -421,6 +421,8 @@ def enable_cpu_compat(exclude: Iterable[str] = ()) -> tuple[str, ...]:
             that the upstream call fails without that one workaround.
 
     On a CUDA machine this is a no-op returning ``()`` (nothing here is ever active there).
+    The ``TorchFunctionMode`` of ``map_cuda_tensors_to_cpu`` is per thread: call this from the
+    thread that runs Megatron (``initialize_parallel`` does).
 
     Raises:
         ValueError: an ``exclude`` name that is not a workaround.
