@@ -92,6 +92,9 @@ class RolloutManager:
             an in-process fake here (default `EngineClient`).
         processes: already running local engines to adopt instead of starting new ones (they
             are restarted on failure like our own, but `stop()` leaves them running).
+        initial_version: the policy version of the weights the engines start with (a resumed
+            run serves its checkpoint's weights as that version, so nothing sampled before the
+            first sync is mislabelled or stale).
     """
 
     def __init__(
@@ -102,6 +105,7 @@ class RolloutManager:
         *,
         client_factory: ClientFactory = EngineClient,
         processes: list[EngineProcess] | None = None,
+        initial_version: int = 0,
     ) -> None:
         self.config = config
         self.formatter = formatter
@@ -136,6 +140,8 @@ class RolloutManager:
         self.attempts: collections.Counter = collections.Counter()  # task_id -> attempts started
         self._task_by_id: dict[str, Task] = {}  # tasks started and not yet handed to the trainer
         self.sync_history: list[SyncResult] = []
+        self.initial_version = initial_version
+        self.buffer.set_train_version(initial_version)
 
     # ================================================================ lifecycle (trainer thread)
     def start(self) -> RolloutManager:
@@ -167,7 +173,7 @@ class RolloutManager:
             self.processes = [None] * len(c.engine_urls)
             self.urls = list(c.engine_urls)
         self._restarts = [0] * len(self.urls)
-        self.engine_versions = [0] * len(self.urls)
+        self.engine_versions = [self.initial_version] * len(self.urls)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="rollout-loop", daemon=True
@@ -284,8 +290,8 @@ class RolloutManager:
         self.router = Router(
             self.clients, [c.name for c in self.clients], self.config.affinity_overload_factor
         )
-        for c in self.clients:  # vLLM starts at version "default"; ours start at 0
-            await c.set_weight_version(0)
+        for c in self.clients:  # vLLM starts at version "default"; ours at initial_version
+            await c.set_weight_version(self.initial_version)
 
     async def _shutdown(self) -> None:
         tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
@@ -496,9 +502,9 @@ class RolloutManager:
     async def _resync(self, i: int) -> bool:
         c = self.clients[i]
         version = self.publisher.latest_version
-        if version is None:
-            await c.set_weight_version(0)
-            self.engine_versions[i] = 0
+        if version is None:  # a restarted engine loads the initial weights again
+            await c.set_weight_version(self.initial_version)
+            self.engine_versions[i] = self.initial_version
         else:
             await sync_engine(c, self.publisher.latest_path, version)
             self.engine_versions[i] = version

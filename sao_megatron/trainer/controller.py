@@ -205,10 +205,10 @@ class Controller:
             rcfg = dataclasses.replace(
                 job.rollout, model_path=str(hf_dir), run_dir=str(self.run_dir / "rollout")
             )
-            rollout = RolloutManager(rcfg, self.formatter, self.tasks).start()
+            rollout = RolloutManager(
+                rcfg, self.formatter, self.tasks, initial_version=version
+            ).start()  # a resumed run's engines serve the checkpoint's weights as `version`
         try:
-            if version:  # resumed: engines loaded these weights as version 0; label them
-                self._publish(rollout, policy, version)
             self._rl_loop(step_fn, policy, states, mgr, rollout, step, version, pretrain_done)
         finally:
             if rollout is not None:
