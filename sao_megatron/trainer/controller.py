@@ -230,12 +230,12 @@ class Controller:
         m: dict[str, float] = {}
         with self._logger("rl", job.rl.steps, step) as logger:
             while step < job.rl.steps:
-                with timer.phase("rollout_wait"):
+                with timer.phase("rollout"):
                     batch = self._next_batch(rollout, version)
                 with timer.phase("train"):
                     m = self._from_last_stage(step_fn.train_step(batch, train_version=version))
                 version, step = version + 1, step + 1
-                with timer.phase("weight_sync"):
+                with timer.phase("sync"):
                     m |= self._publish(rollout, policy, version)
                 if job.rl.eval_interval and step % job.rl.eval_interval == 0:
                     m |= self._evaluate(rollout)
@@ -252,11 +252,15 @@ class Controller:
                                 extra={"value_pretrain_steps": pretrain_done},
                             ),
                         )
-                m |= _episode_metrics(batch) | timer.summary()
-                m |= peak_memory_gib() | (rollout.stats() if rollout else {})
+                times = timer.summary()
+                m |= _episode_metrics(batch) | times | peak_memory_gib()
+                m["throughput/train_tokens_per_s"] = int(batch.loss_mask.sum()) / max(
+                    times.get("time/train", 0.0), 1e-9
+                )
+                m |= _rollout_metrics(rollout.stats()) if rollout else {}
                 logger.log(step, m)
         self.summary |= {f"after/{k}": v for k, v in self._evaluate(rollout).items()}
-        self.summary |= {k: v for k, v in m.items() if k.startswith(("offpolicy/", "rollout/"))}
+        self.summary |= {k: v for k, v in m.items() if k.startswith(("deviation/", "throughput/"))}
 
     def _publish(self, rollout, policy, version: int) -> dict[str, float]:
         """Send the policy's weights as `version` to the engines (collective; rank 0 writes)."""
@@ -322,6 +326,17 @@ def _from_rank0(obj):
     return obj
 
 
+def _rollout_metrics(stats: dict) -> dict[str, float]:
+    """The rollout's counters, with the throughput/utilisation figures under standard names."""
+    out = dict(stats)
+    out["throughput/rollout_trajectories_per_s"] = out.pop("rollout/trajectories_per_s", 0.0)
+    out["throughput/rollout_tokens_per_s"] = out.pop("rollout/tokens_per_s", 0.0)
+    util = [v for k, v in stats.items() if k.startswith("engine/") and k.endswith("/utilisation")]
+    if util:
+        out["rollout/worker_utilization"] = sum(util) / len(util)
+    return out
+
+
 def _task_index(task_id: str) -> int:
     """Position of a task in the `TaskStream` (its id ends with ':<index>')."""
     return int(task_id.rsplit(":", 1)[1])
@@ -331,9 +346,9 @@ def _episode_metrics(batch) -> dict[str, float]:
     """Reward, success and length statistics of the batch's trajectories."""
     totals = batch.node_rewards.sum(1)
     return {
-        "episode/reward_mean": float(totals.mean()),
-        "episode/success_rate": float((totals >= 1.0).float().mean()),
-        "episode/num_turns_mean": float(batch.num_nodes.float().mean()),
+        "reward/mean": float(totals.mean()),
+        "reward/success_rate": float((totals >= 1.0).float().mean()),
+        "episode/length_mean": float(batch.num_nodes.float().mean()),
         "episode/truncated_fraction": float(batch.truncated.float().mean()),
         "episode/action_tokens_per_trajectory": batch.num_action_tokens / batch.num_trajectories,
     }

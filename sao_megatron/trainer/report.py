@@ -18,11 +18,12 @@ def final_report(job: JobConfig, summary: dict[str, float]) -> str:
             b, a = summary.get(f"before/{k}"), summary.get(f"after/{k}")
             rows.append((k, _fmt(b), _fmt(a)))
     for k in (
-        "offpolicy/mean_abs_one_minus_ratio",
-        "offpolicy/version_lag_mean",
-        "offpolicy/fraction_dropped",
-        "rollout/trajectories_per_s",
-        "rollout/tokens_per_s",
+        "deviation/abs_one_minus_ratio_mean",
+        "deviation/version_lag_mean",
+        "deviation/dropped_fraction",
+        "throughput/rollout_trajectories_per_s",
+        "throughput/rollout_tokens_per_s",
+        "throughput/train_tokens_per_s",
         "sft/final_loss",
     ):
         if k in summary:

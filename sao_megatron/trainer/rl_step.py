@@ -19,6 +19,7 @@ positions, so every extra handed to a loss is shifted with `_pred`.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,12 @@ from sao_megatron.models.forward import (
 )
 from sao_megatron.optim.builder import TrainState
 from sao_megatron.parallel.state import ParallelState
+
+#: off_policy_metrics() names -> logged names (sao_megatron.trainer.metrics.STANDARD_METRICS)
+DEVIATION_NAMES = {
+    "mean_abs_one_minus_ratio": "deviation/abs_one_minus_ratio_mean",
+    "fraction_dropped": "deviation/dropped_fraction",
+}
 
 
 def _pred(x: torch.Tensor) -> torch.Tensor:
@@ -276,7 +283,13 @@ class RLStep:
         )
         ok, grad_norm = self.value.step()
         loss = self._dp_sum(sum(float(r["loss"]) for r in recs))
-        return {"value/loss": loss, "value/grad_norm": _f(grad_norm), "value/update_ok": float(ok)}
+        lr = self.value.optimizer.param_groups[0]["lr"]
+        return {
+            "loss/value": loss,
+            "grad_norm/value": _f(grad_norm),
+            "value/update_ok": float(ok),
+            "lr/value": float(lr),
+        }
 
     def _policy_update(self, b, adv, old_logprobs, n_tokens, n_seqs):
         algo = self.algo
@@ -322,10 +335,10 @@ class RLStep:
         loss = self._dp_sum(sum(float(r["loss"]) for r in recs))
         lr = self.policy.optimizer.param_groups[0]["lr"]
         metrics = {
-            "policy/loss": loss,
-            "policy/grad_norm": _f(grad_norm),
+            "loss/policy": loss,
+            "grad_norm/policy": _f(grad_norm),
             "policy/update_ok": float(ok),
-            "policy/lr": float(lr),
+            "lr/policy": float(lr),
         }
         return metrics, logprobs, entropy
 
@@ -338,7 +351,8 @@ class RLStep:
         metrics["value/explained_variance_before"] = explained_variance(values[0], returns, vmask)
         for k in range(self.algo.value_updates_per_policy_update):
             m = self._value_update(b, values[0], returns, vmask, n_value)
-            metrics.update({f"{key}_{k}": val for key, val in m.items()})
+            metrics.update(m)  # standard names hold the last update's figures
+            metrics[f"value/loss_{k}"] = m["loss/value"]
         values_new = self._values(b)
         metrics["value/explained_variance"] = explained_variance(values_new[0], returns, vmask)
         metrics["value/return_mean"] = float(returns[vmask].mean()) if vmask.any() else 0.0
@@ -367,9 +381,11 @@ class RLStep:
         n_seqs = self._dp_sum(int((b.action_mask.sum(1) > 0).sum()))
         metrics: dict[str, float] = {"batch/num_action_tokens": n_tokens, "batch/num_rows": n_seqs}
         old_logprobs = None
+        t0 = time.perf_counter()
         if self.algo.name == "sao":
             values = self._value_phase(b, n_real, metrics)
             adv, _, _ = self._advantages(b, n_real, values)  # with the critic after its updates
+            metrics["time/value"] = time.perf_counter() - t0
         else:
             old_logprobs, _ = compute_policy_logprobs(
                 self.policy.model,
@@ -380,8 +396,10 @@ class RLStep:
             )
             old_logprobs = old_logprobs.cpu()
             adv, _, _ = self._advantages(b, n_real, None)
+        t1 = time.perf_counter()
         pm, logprobs, entropy = self._policy_update(b, adv, old_logprobs, n_tokens, n_seqs)
         metrics.update(pm)
+        metrics["time/policy"] = time.perf_counter() - (t1 if self.algo.name == "sao" else t0)
         if logprobs is not None:
             mask = _pred(b.action_mask)
             dev = off_policy_metrics(
@@ -393,7 +411,7 @@ class RLStep:
                 policy_versions=_pred(b.policy_versions),
                 train_version=train_version,
             )
-            metrics.update({f"offpolicy/{k}": v for k, v in dev.items()})
+            metrics.update({DEVIATION_NAMES.get(k, f"deviation/{k}"): v for k, v in dev.items()})
             n_local = max(int(mask.sum()), 1)
             metrics["policy/entropy"] = float(torch.where(mask, entropy, 0.0).sum() / n_local)
             metrics["policy/advantage_mean"] = float(

@@ -83,8 +83,8 @@ def _check_run(run_dir: Path, steps: int, max_staleness: int) -> list[dict]:
     for r in recs:
         assert r["policy/update_ok"] == 1.0
         # no trained token is older than max_staleness policy versions (logged, per batch)
-        assert r["offpolicy/version_lag_max"] <= max_staleness
-        assert r["offpolicy/mean_abs_one_minus_ratio"] < 0.05  # fp32 engine == trainer
+        assert r["deviation/version_lag_max"] <= max_staleness
+        assert r["deviation/abs_one_minus_ratio_mean"] < 0.05  # fp32 engine == trainer
     summary = json.loads((run_dir / "summary.json").read_text())
     assert 0.0 <= summary["after/eval/success_rate"] <= 1.0
     assert (run_dir / "checkpoints" / "rl" / "latest").exists()
@@ -108,7 +108,7 @@ def test_grpo_job_1rank(tmp_path):
         "stages=[sft,rl]",
     )
     recs = _check_run(tmp_path / "grpo", 3, max_staleness=1)
-    assert "value/loss_0" not in recs[0]
+    assert "loss/value" not in recs[0]
 
 
 @pytest.mark.distributed
@@ -125,7 +125,7 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     full = _records(tmp_path / "full" / "rl" / "metrics.jsonl")
     part = _records(tmp_path / "part" / "rl" / "metrics.jsonl")
     assert [r["step"] for r in part] == [1, 2]
-    for key in ("policy/loss", "value/loss_0", "value/loss_1", "policy/grad_norm"):
+    for key in ("loss/policy", "value/loss_0", "value/loss_1", "grad_norm/policy"):
         assert part[1][key] == pytest.approx(full[1][key], rel=1e-6, abs=1e-9), key
 
 

@@ -90,11 +90,11 @@ def test_sao_step_on_policy(tiny_moe, parallel_1rank):
     )
     m = step.train_step(batch, train_version=0)
     # behaviour = current policy => importance ratio exactly 1 on every action token
-    assert m["offpolicy/mean_abs_one_minus_ratio"] < 1e-5
-    assert m["offpolicy/fraction_dropped"] == 0.0
-    assert m["offpolicy/version_lag_max"] == 0.0
+    assert m["deviation/abs_one_minus_ratio_mean"] < 1e-5
+    assert m["deviation/dropped_fraction"] == 0.0
+    assert m["deviation/version_lag_max"] == 0.0
     assert m["batch/num_action_tokens"] == batch.num_action_tokens
-    for k in ("value/loss_0", "value/loss_1", "policy/loss", "policy/grad_norm"):
+    for k in ("value/loss_0", "value/loss_1", "loss/policy", "grad_norm/policy"):
         assert math.isfinite(m[k]), k
     # two value updates on the same data reduce the value loss
     assert m["value/loss_1"] < m["value/loss_0"]
@@ -114,10 +114,10 @@ def test_grpo_step(tiny_moe, parallel_1rank):
     algo = AlgorithmConfig(name="grpo", grpo_group_size=4)
     step = RLStep(algo, parallel_1rank, p_state, None, StepConfig(micro_batch_size=5))
     m = step.train_step(batch, train_version=3)
-    assert m["offpolicy/mean_abs_one_minus_ratio"] < 1e-5
-    assert m["offpolicy/version_lag_mean"] == 3.0
+    assert m["deviation/abs_one_minus_ratio_mean"] < 1e-5
+    assert m["deviation/version_lag_mean"] == 3.0
     # GRPO advantages are zero-mean within each group; per-token mean is a weighted mean
-    assert math.isfinite(m["policy/loss"]) and math.isfinite(m["policy/grad_norm"])
+    assert math.isfinite(m["loss/policy"]) and math.isfinite(m["grad_norm/policy"])
 
 
 def test_sao_needs_value_and_no_kl(tiny_moe, parallel_1rank):
