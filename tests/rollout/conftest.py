@@ -79,6 +79,7 @@ def vllm_servers(tiny_models, tmp_path_factory):
         max_model_len=2048,
         kv_cache_gib=1,
         run_dir=str(tmp_path_factory.mktemp("engines")),
+        seed=0,  # the tests send seeded requests: start the engines without chunked prefill
     )
     procs = [EngineProcess(cfg, i) for i in range(2)]
     for p in procs:
