@@ -14,14 +14,13 @@ from sao_megatron.parallel.config import ParallelConfig
 def check_model_parallel_compat(model: MoEModelConfig, parallel: ParallelConfig) -> None:
     """Raise a ValueError naming the fields when the model cannot be split this way.
 
-    Checks: heads and kv heads divisible by tp, experts divisible by ep, layers divisible by
-    pp (x virtual_pp), vocab divisible by tp, expert ffn divisible by expert_tp, and sequence
-    parallel for MoE with tp > 1 (Megatron requires it).
+    Checks: heads divisible by tp, kv heads a multiple or divisor of tp, experts divisible by
+    ep, layers divisible by pp (x virtual_pp), vocab divisible by tp, expert ffn divisible by
+    expert_tp, and sequence parallel for MoE with tp > 1 (Megatron requires it).
     """
     tp, ep, pp = parallel.tp, parallel.ep, parallel.pp
     checks = [
         (model.num_attention_heads, tp, "num_attention_heads", "tensor_model_parallel_size"),
-        (model.num_key_value_heads, tp, "num_key_value_heads", "tensor_model_parallel_size"),
         (model.num_experts, ep, "num_experts", "expert_model_parallel_size"),
         (model.vocab_size, tp, "vocab_size", "tensor_model_parallel_size"),
         (
@@ -43,6 +42,13 @@ def check_model_parallel_compat(model: MoEModelConfig, parallel: ParallelConfig)
                 f"model.{field_name}={value} not divisible by {what}={size}; change the parallel "
                 "layout (parallel.tp/ep/pp/expert_tp/virtual_pp) or the model size"
             )
+    kv = model.num_key_value_heads
+    if kv % tp and tp % kv:
+        raise ValueError(
+            f"model.num_key_value_heads={kv} must be a multiple or a divisor of "
+            f"tensor_model_parallel_size={tp} (Megatron replicates k/v heads when there are "
+            "fewer than tp); change parallel.tp"
+        )
     if tp > 1 and not parallel.sequence_parallel:
         raise ValueError(
             f"parallel.sequence_parallel=False with parallel.tp={tp}: Megatron MoE layers need "

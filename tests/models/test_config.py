@@ -124,12 +124,27 @@ def test_transformer_config_mapping():
         ),
         ({"num_hidden_layers": 3}, {"pp": 2}, "num_hidden_layers=3 not divisible"),
         ({}, {"tp": 2}, "sequence_parallel=True"),
+        (
+            {"num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 8},
+            {"tp": 2, "sequence_parallel": True},
+            "num_key_value_heads=3 must be a multiple or a divisor",
+        ),
+        (
+            {"num_attention_heads": 12, "num_key_value_heads": 3, "head_dim": 8},
+            {"tp": 4, "sequence_parallel": True},
+            "num_key_value_heads=3 must be a multiple or a divisor",
+        ),
     ],
 )
 def test_incompatible_layouts_name_the_field(model_kw, parallel_kw, message):
     m = MoEModelConfig(**{**tiny_moe_kwargs(), **model_kw})
     with pytest.raises(ValueError, match=message):
         check_model_parallel_compat(m, ParallelConfig(**parallel_kw))
+
+
+def test_fewer_kv_heads_than_tp_is_allowed():
+    m = MoEModelConfig(**{**tiny_moe_kwargs(), "num_key_value_heads": 1})
+    check_model_parallel_compat(m, ParallelConfig(tp=2, sequence_parallel=True))
 
 
 def test_parallel_config_errors():

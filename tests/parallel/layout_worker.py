@@ -24,8 +24,12 @@ LAYOUTS: dict[str, tuple[dict, dict, bool]] = {
     "pp2": ({"pp": 2}, {}, False),
     "dp2": ({}, {}, True),
     "pp2_vpp2": ({"pp": 2, "virtual_pp": 2}, {"num_hidden_layers": 4}, False),
+    "tp2_sp_kv1": ({"tp": 2, "sequence_parallel": True}, {"num_key_value_heads": 1}, False),
 }
-ARCH_FIELDS = ("num_hidden_layers",)  # overrides that change the reference model
+ARCH_FIELDS = (
+    "num_hidden_layers",
+    "num_key_value_heads",
+)  # overrides that change the reference model
 # CPU workarounds that only multi-rank runs exercise: the layout must fail without them.
 NEEDED = {"keep_alltoall_splits_as_numpy": "ep2_alltoall"}
 
