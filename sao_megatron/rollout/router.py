@@ -14,7 +14,8 @@ mode per run. The policy is a few lines:
 * outstanding tokens of a request = its prompt length + max_tokens (its worst-case work).
 
 Utilisation per engine = fraction of wall time with at least one request outstanding; the
-stats also count requests, prompt/generated tokens and affinity hits.
+stats also give the time-averaged number of requests in flight (the load the router balances),
+requests, prompt/generated tokens and affinity hits.
 """
 
 from __future__ import annotations
@@ -39,10 +40,20 @@ class EngineLoad:
     generated_tokens: int = 0
     affinity_hits: int = 0
     busy_s: float = 0.0
+    request_s: float = 0.0  # integral of outstanding_requests over time
     _busy_since: float | None = field(default=None, repr=False)
+    _changed_at: float = field(default_factory=time.monotonic, repr=False)
 
     def busy_seconds(self, now: float) -> float:
         return self.busy_s + (now - self._busy_since if self._busy_since is not None else 0.0)
+
+    def request_seconds(self, now: float) -> float:
+        return self.request_s + self.outstanding_requests * (now - self._changed_at)
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        self.request_s += self.outstanding_requests * (now - self._changed_at)
+        self._changed_at = now
 
 
 class Router(Generic[E]):
@@ -94,6 +105,7 @@ class Router(Generic[E]):
     def begin(self, index: int, episode_id: str, prompt_tokens: int, cost_tokens: int) -> None:
         """Account a request sent to engine `index`."""
         ld = self.loads[index]
+        ld._tick()
         if ld.outstanding_requests == 0:
             ld._busy_since = time.monotonic()
         ld.outstanding_requests += 1
@@ -105,6 +117,7 @@ class Router(Generic[E]):
     def end(self, index: int, cost_tokens: int, generated_tokens: int) -> None:
         """Account a finished (or failed: generated_tokens=0) request."""
         ld = self.loads[index]
+        ld._tick()
         ld.outstanding_requests -= 1
         ld.outstanding_tokens -= cost_tokens
         ld.generated_tokens += generated_tokens
@@ -128,6 +141,7 @@ class Router(Generic[E]):
         return {
             ld.name: {
                 "utilisation": ld.busy_seconds(now) / wall,
+                "mean_outstanding_requests": ld.request_seconds(now) / wall,
                 "num_requests": ld.num_requests,
                 "prompt_tokens": ld.prompt_tokens,
                 "generated_tokens": ld.generated_tokens,
@@ -144,5 +158,6 @@ class Router(Generic[E]):
         self._t0 = now
         for ld in self.loads:
             ld.num_requests = ld.prompt_tokens = ld.generated_tokens = ld.affinity_hits = 0
-            ld.busy_s = 0.0
+            ld.busy_s = ld.request_s = 0.0
+            ld._changed_at = now
             ld._busy_since = now if ld.outstanding_requests else None

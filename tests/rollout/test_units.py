@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -278,3 +279,19 @@ def test_publisher_alternates_slots_atomically(tmp_path):
         pub.publish(w1, version=2)
     with pytest.raises(TypeError, match="not a torch.Tensor"):
         pub.publish({"x": [1.0]}, version=3)
+
+
+def test_router_time_averaged_load():
+    r = Router(["a", "b"], ["a", "b"])
+    r.reset_stats()
+    r.begin(0, "x", 1, 10)
+    r.begin(0, "y", 1, 10)
+    time.sleep(0.2)
+    r.end(0, 10, 5)
+    r.end(0, 10, 5)
+    time.sleep(0.2)
+    u = r.utilisation()
+    # 2 requests for 0.2 s out of ~0.4 s: mean 1.0 in flight, busy half the time
+    assert u["a"]["mean_outstanding_requests"] == pytest.approx(1.0, abs=0.15)
+    assert u["a"]["utilisation"] == pytest.approx(0.5, abs=0.1)
+    assert u["b"]["mean_outstanding_requests"] == 0.0 and u["b"]["utilisation"] == 0.0
