@@ -321,7 +321,7 @@ class RolloutManager:
         while not self._closing:
             self._wake.clear()
             while self._inflight + g <= max(limit, g) and self.buffer.can_start(
-                self._engine_version()
+                self._engine_version() - self.initial_version  # AReaL counts from this run's start
             ):
                 item = self._next_task()
                 if item is None:

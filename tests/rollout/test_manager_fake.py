@@ -21,7 +21,7 @@ def fakes():
     FakeEngineClient.registry = {}
 
 
-def make_manager(tmp_path, tasks=None, **overrides) -> RolloutManager:
+def make_manager(tmp_path, tasks=None, initial_version=0, **overrides) -> RolloutManager:
     kw = dict(
         engine_urls=["http://fake0", "http://fake1"],
         run_dir=str(tmp_path),
@@ -37,7 +37,11 @@ def make_manager(tmp_path, tasks=None, **overrides) -> RolloutManager:
     kw.update(overrides)
     tasks = tasks if tasks is not None else round_robin_tasks({"count": CountEnv})
     return RolloutManager(
-        RolloutConfig(**kw), make_formatter(), tasks, client_factory=FakeEngineClient
+        RolloutConfig(**kw),
+        make_formatter(),
+        tasks,
+        client_factory=FakeEngineClient,
+        initial_version=initial_version,
     )
 
 
@@ -142,3 +146,18 @@ def test_staleness_bound_holds_under_a_slow_trainer(fakes, tmp_path):
             started = m.buffer.num_started()
             assert started <= (step + 1 + 1 + 1) * 4  # AReaL capacity (v + eta + 1) * B
         assert 0 <= min(lags) and max(lags) <= 1
+
+
+def test_resumed_run_starts_at_its_version_and_counts_capacity_from_there(fakes, tmp_path):
+    m = make_manager(
+        tmp_path, max_staleness=0, trajectories_per_batch=4, max_concurrent_episodes=32
+    )
+    m.initial_version = 7  # as RolloutManager(..., initial_version=7) from a checkpoint
+    m.buffer.set_train_version(7)
+    with m:
+        batch = m.get_batch(train_version=7, timeout=10)
+        time.sleep(0.3)
+        # AReaL rule from this run's start: (0 + eta + 1) * B = 4 started before any update
+        assert m.buffer.num_started() == 4
+    assert all(v == 7 for t in batch for n in t.nodes for v in n.policy_versions)
+    assert all(e.version == "7" for e in fakes)
