@@ -19,7 +19,8 @@ from sao_megatron.parallel.state import ParallelState
 
 LossFn = Callable[[dict[str, torch.Tensor], "ModelInputs"], tuple[torch.Tensor, dict]]
 """``loss_fn(outputs, micro_batch) -> (loss [] float32, metrics dict)``. ``outputs`` holds
-``logprobs``/``entropy`` ``[b, T-1]`` (policy) or ``values`` ``[b, T]`` (value model)."""
+``logprobs``/``entropy`` ``[b, T-1]`` (policy) or ``values`` ``[b, T]`` (value model);
+``micro_batch`` is the micro-batch's ``ModelInputs`` (extras included) on the model's device."""
 
 
 @dataclass
@@ -164,10 +165,12 @@ def forward_backward(
             outputs = {"logprobs": lp, "entropy": ent}
         else:
             outputs = {"values": output[:, :seq_len, 0].float()}
-        trimmed = mb.slice(0, mb.input_ids.shape[0])
-        trimmed.input_ids = trimmed.input_ids[:, :seq_len]
-        trimmed.attention_mask = trimmed.attention_mask[:, :seq_len]
-        trimmed.position_ids = trimmed.position_ids[:, :seq_len]
+        trimmed = ModelInputs(  # unpadded, on the model's device
+            input_ids=mb.input_ids[:, :seq_len].to(device),
+            attention_mask=mb.attention_mask[:, :seq_len].to(device),
+            position_ids=mb.position_ids[:, :seq_len].to(device),
+            extras={k: v.to(device) for k, v in mb.extras.items()},
+        )
         if loss_fn is None:
             loss, metrics = outputs[next(iter(outputs))].sum() * 0.0, {}
         else:

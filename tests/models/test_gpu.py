@@ -31,7 +31,7 @@ def _train_step(state, model_cfg, precision):
             state,
             batch,
             kind="policy",
-            loss_fn=lambda o, mb: (-(o["logprobs"] * mb.attention_mask[:, 1:].cuda()).mean(), {}),
+            loss_fn=lambda o, mb: (-(o["logprobs"] * mb.attention_mask[:, 1:]).mean(), {}),
         )
         ok, grad_norm = ts.step()
         assert ok and grad_norm > 0
