@@ -29,7 +29,7 @@ $(VLLM_VENV)/.installed: tools/install_vllm.sh
 	VENV=$(VLLM_VENV) bash tools/install_vllm.sh
 
 test: install vllm
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --timeout=1200 $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -q -m "not distributed and not integration and not vllm" $(PYTEST_ARGS)

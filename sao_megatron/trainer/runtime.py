@@ -201,7 +201,7 @@ def build_value_state(
     chunks = build_value_model(job.model, parallel, job.precision, job.value.head_init_std)
     for v, p in zip(chunks, policy_chunks, strict=True):
         init_value_from_policy(v, p.state_dict())
-    report = apply_freeze(chunks, job.value.freeze_patterns, require_match=parallel.cfg.pp == 1)
+    report = apply_freeze(chunks, job.value.freeze_patterns, group=parallel.pg_collection.pp)
     if parallel.rank == 0:
         log.info("value model: %s", report.summary())
     return build_optimizer(chunks, parallel, job.value_optim, job.precision)

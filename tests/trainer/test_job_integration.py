@@ -159,8 +159,7 @@ def test_rl_loads_sft_checkpoint_in_another_layout(tmp_path):
         "tasks.num_eval_tasks=0",
         "parallel.tp=2",
         "parallel.sequence_parallel=true",
-        "algorithm.name=grpo",
-        "algorithm.grpo_group_size=2",
+        "value_pretrain.steps=0",
         nproc=2,
     )
     wa = load_file(a / "hf_policy" / "model-00001-of-00001.safetensors")
@@ -169,4 +168,5 @@ def test_rl_loads_sft_checkpoint_in_another_layout(tmp_path):
     assert wa.keys() == hb.keys() == wb.keys()
     for k in wa:
         assert torch.equal(wa[k], hb[k]), k
-    assert any(not torch.equal(wa[k], wb[k]) for k in wa)  # and RL then changed it
+    # and the SAO step then changed it (the critic's advantages are nonzero even at reward 0)
+    assert any(not torch.equal(wa[k], wb[k]) for k in wa)
