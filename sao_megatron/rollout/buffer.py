@@ -67,6 +67,10 @@ class StalenessBuffer:
         self._filling: list[Group] = []
         self._ready: list[Group] | None = None
         self._num_started = 0  # trajectories started and not discarded (AReaL's N_started)
+        # AReaL's rule assumes one batch per version; a batch consumed without a version change
+        # (value pre-training, several batches per update) frees one batch of capacity.
+        self._extra_capacity = 0
+        self._last_batch_version: int | None = None
         self.train_version = 0  # version of the policy the trainer is training (latest known)
         self.stats = {
             "num_put": 0,
@@ -82,6 +86,7 @@ class StalenessBuffer:
         """True if one more group may start at engine weight version `engine_version`."""
         with self._cond:
             cap = (engine_version + self.max_staleness + 1) * self.batch_size
+            cap += self._extra_capacity
             return self._num_started + self.group_size <= cap
 
     def mark_started(self) -> None:
@@ -177,6 +182,9 @@ class StalenessBuffer:
                         )
                     self._cond.wait(left if left is None else min(left, 1.0))
                 trajs = [t for g in batch for t in g]
+                if self._last_batch_version == train_version:
+                    self._extra_capacity += self.batch_size
+                self._last_batch_version = train_version
                 lags = [self.train_version - t.min_policy_version for t in trajs]
                 self.stats["num_consumed"] += len(trajs)
                 self.stats["num_batches"] += 1
