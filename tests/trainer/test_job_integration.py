@@ -112,9 +112,18 @@ def test_grpo_job_1rank(tmp_path):
 
 
 @pytest.mark.distributed
-def test_sao_job_2ranks_dp(tmp_path):
-    _run(tmp_path / "dp2", "rl.steps=3", "value_pretrain.steps=0", nproc=2)
-    _check_run(tmp_path / "dp2", 3, max_staleness=1)
+def test_grpo_job_2ranks_dp(tmp_path):
+    """GRPO at DP=2 (groups stay whole on one rank); SAO at 2 ranks runs in the layout test."""
+    _run(
+        tmp_path / "dp2",
+        "rl.steps=3",
+        "algorithm.name=grpo",
+        "algorithm.grpo_group_size=2",
+        "stages=[sft,rl]",
+        nproc=2,
+    )
+    recs = _check_run(tmp_path / "dp2", 3, max_staleness=1)
+    assert all(r["batch/num_rows"] == 4 for r in recs)  # rows summed over both DP ranks
 
 
 def test_resume_reproduces_uninterrupted_run(tmp_path):
