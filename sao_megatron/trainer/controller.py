@@ -152,6 +152,7 @@ class Controller:
             res = self._load(mgr, path, {"policy": state})
             step, cursor = res.common.train_step, res.common.data_cursor
             sampler.epoch, sampler.index = cursor["epoch"], cursor["index"]
+        m: dict[str, float] = {}
         with self._logger("sft", job.sft.steps, step) as logger:
             while step < job.sft.steps:
                 batch = [seqs[i] for i in sampler.next(job.sft.batch_size)]
@@ -170,7 +171,8 @@ class Controller:
                         {"policy": state},
                         CommonState(train_step=step, data_cursor=sampler.state()),
                     )
-        self.summary["sft/final_loss"] = m["sft/loss"] if job.sft.steps else float("nan")
+        if m:  # nothing ran when resuming a finished SFT stage
+            self.summary["sft/final_loss"] = m["sft/loss"]
         return state.unwrapped
 
     def rl_stage(self, policy_chunks, resume_path) -> None:
