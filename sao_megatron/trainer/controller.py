@@ -22,6 +22,7 @@ from sao_megatron.convert.spec import ConversionSpec
 from sao_megatron.data.batch import pack_trajectories
 from sao_megatron.data.demonstrations import demonstration_sequences
 from sao_megatron.data.episode import EpisodeFormatter
+from sao_megatron.models import build_policy
 from sao_megatron.parallel.state import ParallelState
 from sao_megatron.rollout.manager import RolloutManager, Task
 from sao_megatron.trainer import runtime
@@ -93,15 +94,23 @@ class Controller:
         c = self.parallel.cfg
         return {"tp": c.tp, "pp": c.pp, "ep": c.ep, "dp": self.parallel.dp}
 
-    def _save(self, mgr, states: dict, common: CommonState) -> None:
-        common.extra["schedulers"] = {n: st.scheduler.state_dict() for n, st in states.items()}
+    @staticmethod
+    def _sharded_parts(states: dict, loading: bool = False) -> dict:
+        """Fresh Megatron sharded state dicts of each model and its optimiser (consumed by
+        dist_checkpointing, so built anew for every save/load)."""
         parts = {}
         for name, st in states.items():
-            model_sd = st.unwrapped[0].sharded_state_dict()
-            parts[name] = st.unwrapped[0].sharded_state_dict()
-            parts[f"{name}_optimizer"] = st.optimizer.sharded_state_dict(model_sd)
+            chunk = st.unwrapped[0]
+            parts[name] = chunk.sharded_state_dict()
+            parts[f"{name}_optimizer"] = st.optimizer.sharded_state_dict(
+                chunk.sharded_state_dict(), is_loading=loading
+            )
+        return parts
+
+    def _save(self, mgr, states: dict, common: CommonState) -> None:
+        common.extra["schedulers"] = {n: st.scheduler.state_dict() for n, st in states.items()}
         mgr.save(
-            parts,
+            self._sharded_parts(states),
             common,
             layout=self._layout(),
             run_config=to_yaml(self.job),
@@ -109,13 +118,8 @@ class Controller:
         )
 
     def _load(self, mgr, path, states: dict):
-        parts, optional = {}, []
-        for name, st in states.items():
-            model_sd = st.unwrapped[0].sharded_state_dict()
-            parts[name] = st.unwrapped[0].sharded_state_dict()
-            parts[f"{name}_optimizer"] = st.optimizer.sharded_state_dict(model_sd, is_loading=True)
-            optional.append(f"{name}_optimizer")
-        res = mgr.load(path, parts, optional_parts=optional)
+        optional = [f"{name}_optimizer" for name in states]
+        res = mgr.load(path, self._sharded_parts(states, loading=True), optional_parts=optional)
         schedulers = res.common.extra.get("schedulers", {})
         for name, st in states.items():
             if f"{name}_optimizer" in res.state_dicts:
@@ -179,10 +183,9 @@ class Controller:
         job, p = self.job, self.parallel
         if policy_chunks is None and resume_path is None and "sft" not in job.stages:
             sft = self._ckpt("sft").resolve_resume()  # start from a finished SFT stage if any
-            if sft is not None:
-                tmp = runtime.build_policy_state(job, p, job.policy_optim)
-                self._load(self._ckpt("sft"), sft, {"policy": tmp})
-                policy_chunks = tmp.unwrapped
+            if sft is not None:  # its weights only: RL has its own optimiser and LR schedule
+                policy_chunks = build_policy(job.model, p, job.precision)
+                self._ckpt("sft").load(sft, {"policy": policy_chunks[0].sharded_state_dict()})
         policy = runtime.build_policy_state(job, p, job.policy_optim, init_from=policy_chunks)
         value = None
         if job.algorithm.name == "sao":
