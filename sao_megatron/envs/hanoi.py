@@ -25,6 +25,13 @@ Rewards. `success_reward` (1.0) when the target peg holds all disks within `max_
 unchanged and the episode continues); running out of steps truncates with reward 0. With the
 defaults, reward 1 <=> reasoning-gym's `tower_of_hanoi` scorer gives 1.0 to the full move list
 (the k prefix moves + the agent's moves), see `reasoning_gym_entry` / `reasoning_gym_answer`.
+
+Dense reward (``reward_mode="progress"``): every legal move earns
+``success_reward * (d_before - d_after) / H`` with d the optimal distance to the goal, so an
+optimal move earns 1/H, a move away from the goal costs 1/H and the rewards of an episode sum to
+the fraction of the initial distance removed (1 when solved). Malformed/illegal moves get
+`invalid_action_reward` as above. Every step's info carries ``distance_to_goal``, ``progress``
+(= 1 - distance/H) and ``success`` in both modes.
 """
 
 from __future__ import annotations
@@ -56,6 +63,8 @@ class HanoiConfig:
         invalid_action_ends_episode: True: a malformed/illegal move ends the episode. False: it is
             a no-op that costs a step (reward `invalid_action_reward`) and the episode continues.
         peg_labels: three distinct single upper-case letters naming the pegs in text.
+        reward_mode: "success" (sparse: `success_reward` on solving) or "progress" (dense: each
+            legal move earns success_reward * (distance before - distance after) / H).
     """
 
     horizon: int = 50
@@ -66,6 +75,7 @@ class HanoiConfig:
     invalid_action_reward: float = 0.0
     invalid_action_ends_episode: bool = True
     peg_labels: str = "ABC"
+    reward_mode: str = "success"
 
     def __post_init__(self) -> None:
         if not (isinstance(self.horizon, int) and self.horizon >= 1):
@@ -83,6 +93,8 @@ class HanoiConfig:
                 f"hanoi.max_steps_factor={self.max_steps_factor}: must be >= 1.0 (a budget below H "
                 "makes the task unsolvable)"
             )
+        if self.reward_mode not in ("success", "progress"):
+            raise ValueError(f"hanoi.reward_mode={self.reward_mode!r}: use 'success' or 'progress'")
         labels = self.peg_labels
         if not (
             len(labels) == 3 and len(set(labels)) == 3 and labels.isalpha() and labels.isupper()
@@ -238,6 +250,7 @@ class HanoiEnv:
             self.num_disks, self.num_prefix_moves, self.start_peg, self.target_peg
         )
         self.moves: list[Move] = []
+        self.distance = cfg.horizon  # the start state lies on the optimal path
         self.num_steps = 0
         self.done = False
         lab = self._labels
@@ -279,6 +292,7 @@ class HanoiEnv:
             error = "illegal"
         if error is not None:
             info = {"success": False, "error": error, "num_steps": self.num_steps}
+            info |= self._distance_info(self.distance)
             reward = cfg.invalid_action_reward
             if cfg.invalid_action_ends_episode:
                 self.done = True
@@ -291,15 +305,23 @@ class HanoiEnv:
             return StepResult(observation=self.render(), reward=reward, done=False, info=info)
         self.state = apply_move(self.state, move)
         self.moves.append(move)
-        solved = all(p == self.target_peg for p in self.state)
-        info = {"success": solved, "num_steps": self.num_steps}
+        before, self.distance = self.distance, optimal_distance(self.state, self.target_peg)
+        solved = self.distance == 0
+        info = {"success": solved, "num_steps": self.num_steps} | self._distance_info(self.distance)
+        if cfg.reward_mode == "progress":
+            reward = cfg.success_reward * (before - self.distance) / cfg.horizon
+        else:
+            reward = cfg.success_reward if solved else 0.0
         if solved:
             self.done = True
-            return StepResult(observation="", reward=cfg.success_reward, done=True, info=info)
+            return StepResult(observation="", reward=reward, done=True, info=info)
         if self.num_steps >= self.max_steps:
             self.done = True
-            return StepResult(observation="", reward=0.0, done=False, truncated=True, info=info)
-        return StepResult(observation=self.render(), reward=0.0, done=False, info=info)
+            return StepResult(observation="", reward=reward, done=False, truncated=True, info=info)
+        return StepResult(observation=self.render(), reward=reward, done=False, info=info)
+
+    def _distance_info(self, distance: int) -> dict[str, float]:
+        return {"distance_to_goal": distance, "progress": 1.0 - distance / self.config.horizon}
 
     # ------------------------------------------------------------------ experts and checks
     def format_move(self, move: Move) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,7 +30,12 @@ from sao_megatron.trainer import runtime
 from sao_megatron.trainer.checkpoint import CheckpointManager, CommonState
 from sao_megatron.trainer.evaluate import evaluate
 from sao_megatron.trainer.job import JobConfig
-from sao_megatron.trainer.metrics import MetricsLogger, Timer, peak_memory_gib
+from sao_megatron.trainer.metrics import (
+    MetricsLogger,
+    Timer,
+    peak_memory_gib,
+    reset_peak_memory,
+)
 from sao_megatron.trainer.rl_step import RLStep, StepConfig
 from sao_megatron.trainer.sft import SequenceSampler, sft_step
 
@@ -224,21 +230,26 @@ class Controller:
         timer = Timer()
         if "rl" in job.stages and step == 0:
             self.summary |= {f"before/{k}": v for k, v in self._evaluate(rollout).items()}
+        start = time.perf_counter()  # rl.time_budget_s counts value pre-training and RL
         with self._logger("value_pretrain", job.value_pretrain.steps, pretrain_done) as logger:
             while "value_pretrain" in job.stages and pretrain_done < job.value_pretrain.steps:
                 batch = self._next_batch(rollout, version)
                 pretrain_done += 1
                 m = self._from_last_stage(step_fn.value_step(batch))
                 logger.log(pretrain_done, m | _episode_metrics(batch))
+        self.summary["rl/value_pretrain_s"] = time.perf_counter() - start
         if "rl" not in job.stages:
             return
         m: dict[str, float] = {}
+        out_of_time = False
         with self._logger("rl", job.rl.steps, step) as logger:
-            while step < job.rl.steps:
+            while step < job.rl.steps and not out_of_time:
                 with timer.phase("rollout"):
                     batch = self._next_batch(rollout, version)
+                reset_peak_memory()  # memory/peak_* below = this update's peak
                 with timer.phase("train"):
                     m = self._from_last_stage(step_fn.train_step(batch, train_version=version))
+                mem = peak_memory_gib()
                 version, step = version + 1, step + 1
                 with timer.phase("sync"):
                     m |= self._publish(rollout, policy, version)
@@ -246,26 +257,43 @@ class Controller:
                     m |= self._evaluate(rollout)
                 if mgr.should_save(step) or step == job.rl.steps:
                     with timer.phase("checkpoint"):
-                        cursor = _from_rank0({"tasks_consumed": self.tasks.consumed})
-                        self._save(
-                            mgr,
-                            states,
-                            CommonState(
-                                train_step=step,
-                                policy_version=version,
-                                data_cursor=cursor,
-                                extra={"value_pretrain_steps": pretrain_done},
-                            ),
-                        )
+                        self._save_rl(mgr, states, step, version, pretrain_done)
                 times = timer.summary()
-                m |= _episode_metrics(batch) | times | peak_memory_gib()
+                elapsed = time.perf_counter() - start
+                if job.rl.time_budget_s:  # rank 0's clock decides for every rank
+                    out_of_time = bool(_from_rank0(elapsed >= job.rl.time_budget_s))
+                m |= _episode_metrics(batch) | times | mem
+                m["time/rl_elapsed_s"] = elapsed
+                m["batch/num_trajectories"] = float(batch.num_trajectories)
                 m["throughput/train_tokens_per_s"] = int(batch.loss_mask.sum()) / max(
                     times.get("time/train", 0.0), 1e-9
                 )
                 m |= _rollout_metrics(rollout.stats()) if rollout else {}
                 logger.log(step, m)
+        if out_of_time and not (mgr.should_save(step) or step == job.rl.steps):  # budget ended it
+            self._save_rl(mgr, states, step, version, pretrain_done)
+        runtime.export_policy_hf(
+            policy.unwrapped,
+            self.spec,
+            self.hf_config,
+            self.tokenizer,
+            self.parallel,
+            self.run_dir / "hf_policy_final",
+        )
         self.summary |= {f"after/{k}": v for k, v in self._evaluate(rollout).items()}
         self.summary |= {k: v for k, v in m.items() if k.startswith(("deviation/", "throughput/"))}
+        self.summary["rl/steps_done"] = float(step)
+        self.summary["rl/wall_s"] = time.perf_counter() - start
+
+    def _save_rl(self, mgr, states, step: int, version: int, pretrain_done: int) -> None:
+        cursor = _from_rank0({"tasks_consumed": self.tasks.consumed})
+        common = CommonState(
+            train_step=step,
+            policy_version=version,
+            data_cursor=cursor,
+            extra={"value_pretrain_steps": pretrain_done},
+        )
+        self._save(mgr, states, common)
 
     def _publish(self, rollout, policy, version: int) -> dict[str, float]:
         """Send the policy's weights as `version` to the engines (collective; rank 0 writes)."""
@@ -352,7 +380,7 @@ def _episode_metrics(batch) -> dict[str, float]:
     totals = batch.node_rewards.sum(1)
     return {
         "reward/mean": float(totals.mean()),
-        "reward/success_rate": float((totals >= 1.0).float().mean()),
+        "reward/success_rate": float((totals >= 1.0 - 1e-6).float().mean()),
         "episode/length_mean": float(batch.num_nodes.float().mean()),
         "episode/truncated_fraction": float(batch.truncated.float().mean()),
         "episode/action_tokens_per_trajectory": batch.num_action_tokens / batch.num_trajectories,

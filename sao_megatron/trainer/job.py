@@ -133,12 +133,18 @@ class RLConfig:
             and after the stage).
         batch_timeout_s: give up waiting for a rollout batch after this long (an error, not a
             hang: the rollout log says why).
+        time_budget_s: wall-clock budget in seconds (0 = none) counted from the end of the
+            before-RL evaluation, so value pre-training counts in it: the RL stage ends after the
+            first step that finishes past it (or at `steps`, whichever comes first), then saves,
+            exports and evaluates as usual. Start-up and held-out evaluation are not counted.
+            Compares algorithms under the same wall-clock budget (tools/bench_sao_vs_grpo.py).
     """
 
     steps: int = 20
     micro_batch_size: int = 4
     eval_interval: int = 0
     batch_timeout_s: float = 1800.0
+    time_budget_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -147,6 +153,8 @@ class RLConfig:
             raise ValueError(f"rl.micro_batch_size={self.micro_batch_size}: must be >= 1")
         if self.eval_interval < 0:
             raise ValueError(f"rl.eval_interval={self.eval_interval}: must be >= 0")
+        if not self.time_budget_s >= 0:
+            raise ValueError(f"rl.time_budget_s={self.time_budget_s}: must be >= 0 (0 = no budget)")
 
 
 @dataclass(kw_only=True)

@@ -318,14 +318,51 @@ class Timer:
         return out
 
 
-def peak_memory_gib() -> dict[str, float]:
-    """Peak host RSS of this process and (with CUDA) peak torch-allocated GPU memory, in GiB.
+def _read_status_kib(field: str) -> int | None:
+    """A ``VmHWM``/``VmRSS`` line of /proc/self/status in KiB (None where /proc is absent)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
 
-    Host: ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` (KiB on Linux, bytes on macOS).
-    GPU: ``torch.cuda.max_memory_allocated()`` of the current device.
+
+def reset_peak_memory() -> bool:
+    """Start a new peak-memory window (e.g. one training update); returns True if it could.
+
+    Host: writes ``5`` to ``/proc/self/clear_refs``, which resets the kernel's peak RSS
+    (``VmHWM``) to the current RSS (Linux >= 4.0, proc(5)). GPU: ``reset_peak_memory_stats``.
+    Where neither works (macOS) the peak stays the process lifetime's.
     """
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    rss_bytes = rss if sys.platform == "darwin" else rss * 1024
+    ok = False
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        ok = True
+    except OSError:
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+    return ok
+
+
+def peak_memory_gib() -> dict[str, float]:
+    """Peak host RSS of this process and (with CUDA) peak torch-allocated GPU memory, in GiB,
+    since the last `reset_peak_memory()` (or since the process started).
+
+    Host: ``VmHWM`` of /proc/self/status (Linux); elsewhere
+    ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` (KiB on Linux, bytes on macOS), the lifetime
+    peak. GPU: ``torch.cuda.max_memory_allocated()`` of the current device.
+    """
+    hwm = _read_status_kib("VmHWM")
+    if hwm is not None:
+        rss_bytes = hwm * 1024
+    else:
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        rss_bytes = rss if sys.platform == "darwin" else rss * 1024
     out = {"memory/peak_rss_gib": rss_bytes / 2**30}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["memory/peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30

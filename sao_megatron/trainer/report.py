@@ -14,7 +14,7 @@ def final_report(job: JobConfig, summary: dict[str, float]) -> str:
     rows = [("metric", "before RL", "after RL")]
     keys = sorted({k.split("/", 1)[1] for k in summary if k.startswith(("before/", "after/"))})
     for k in keys:
-        if k.endswith(("success_rate", "mean_reward")):
+        if k.endswith(("success_rate", "mean_reward", "mean_progress")):
             b, a = summary.get(f"before/{k}"), summary.get(f"after/{k}")
             rows.append((k, _fmt(b), _fmt(a)))
     for k in (
@@ -24,6 +24,8 @@ def final_report(job: JobConfig, summary: dict[str, float]) -> str:
         "throughput/rollout_trajectories_per_s",
         "throughput/rollout_tokens_per_s",
         "throughput/train_tokens_per_s",
+        "rl/steps_done",
+        "rl/wall_s",
         "sft/final_loss",
     ):
         if k in summary:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import sys
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -18,6 +19,7 @@ from sao_megatron.trainer.metrics import (
     Timer,
     peak_memory_gib,
     read_metrics,
+    reset_peak_memory,
 )
 
 
@@ -146,3 +148,14 @@ def test_peak_memory_is_at_least_current_rss():
     peak = peak_memory_gib()["memory/peak_rss_gib"]
     assert peak >= psutil.Process().memory_info().rss / 2**30 * 0.999
     assert peak >= block.nbytes / 2**30
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux /proc only")
+def test_reset_peak_memory_starts_a_new_window():
+    block = np.ones(256 * 2**20 // 8)  # 256 MiB touched, then freed
+    high = peak_memory_gib()["memory/peak_rss_gib"]
+    del block
+    assert reset_peak_memory()
+    low = peak_memory_gib()["memory/peak_rss_gib"]
+    assert high - low > 0.2  # the freed 256 MiB no longer counts
+    assert low >= psutil.Process().memory_info().rss / 2**30 * 0.999

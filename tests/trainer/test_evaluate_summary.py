@@ -1,0 +1,47 @@
+"""Held-out evaluation summary: success from the environment's flag, partial progress."""
+
+import pytest
+
+from sao_megatron.data.trajectory import ActionNode, Trajectory
+from sao_megatron.trainer.evaluate import _summarise
+from sao_megatron.trainer.job import RLConfig
+
+
+def _traj(rewards, info):
+    nodes = [
+        ActionNode(
+            observation_token_ids=[1],
+            action_token_ids=[2],
+            behaviour_logprobs=[-1.0],
+            policy_versions=[0],
+            reward=r,
+        )
+        for r in rewards
+    ]
+    return Trajectory(task_id="t", nodes=nodes, info=info)
+
+
+def test_success_comes_from_the_env_flag_and_progress_is_averaged_over_all_tasks():
+    third = 1.0 / 3.0
+    results = [
+        # dense rewards summing to 1 - 1 ulp: solved per the env's flag
+        ("hanoi", _traj([third, third, third], {"success": True, "progress": 1.0})),
+        ("hanoi", _traj([third, 0.0], {"success": False, "progress": 1 / 3})),
+        ("hanoi", None),  # an episode error counts as unsolved with progress 0
+        ("chain_sum", _traj([1.0], {})),  # no flag: reward threshold
+        ("chain_sum", _traj([0.5], {})),
+    ]
+    out = _summarise(results, ["hanoi", "chain_sum"], threshold=1.0)
+    assert out["eval/hanoi/success_rate"] == pytest.approx(1 / 3)
+    assert out["eval/hanoi/mean_progress"] == pytest.approx((1.0 + 1 / 3) / 3)
+    assert out["eval/hanoi/mean_turns"] == pytest.approx(2.5)
+    assert out["eval/chain_sum/success_rate"] == 0.5
+    assert "eval/chain_sum/mean_progress" not in out
+    assert out["eval/num_errors"] == 1.0
+    assert out["eval/success_rate"] == pytest.approx((1 / 3 + 0.5) / 2)
+
+
+def test_time_budget_must_be_non_negative():
+    assert RLConfig(time_budget_s=30).time_budget_s == 30
+    with pytest.raises(ValueError, match="rl.time_budget_s"):
+        RLConfig(time_budget_s=-1)

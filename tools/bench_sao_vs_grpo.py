@@ -1,0 +1,180 @@
+"""SAO vs GRPO side by side: same model, tasks, SFT start and wall-clock budget, repeated.
+
+For one job config (default: the quickstart, Tower of Hanoi H=7 on the 4.5M-parameter MoE):
+
+1. the config's SFT stage runs once (`<out>/sft`); every run starts RL from its weights;
+2. for each repeat r = 0..R-1 (seed r, task stream r, sampling seed r) one SAO run
+   (value pre-training + RL: single trajectories, value x2 + DIS policy update) and one GRPO
+   run (G samples per task, group advantages, PPO-clip on recomputed old log-probs, no critic)
+   run back to back, each with `rl.time_budget_s = --budget-s` seconds of wall-clock counted
+   from the end of the before-RL evaluation (value pre-training is inside SAO's budget);
+   both use the same trajectories per batch, engines, micro-batch and policy learning rate;
+3. the table reports median [min, max] over repeats of: end-to-end trained trajectories/s,
+   train tokens/s, peak trainer memory per update (RSS on CPU, CUDA max allocated on GPU), the
+   wall-clock split (waiting for rollout / train / weight sync / other), off-policy deviation
+   (mean |1 - r| and version lag), rollout worker utilisation, and held-out success before and
+   after RL (the config's eval tasks); a plot shows reward vs wall-clock for every run.
+
+    python tools/bench_sao_vs_grpo.py --repeats 3 --budget-s 120 --write
+
+Rerunning reuses finished runs under --out (delete a folder to re-measure it). `--write` puts the
+table and plot into the "SAO vs GRPO" section of docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import benchlib
+from benchlib import REPO, RunFigures, run_figures, run_job, seed_from_sft, shared_sft, spread
+
+
+def algo_overrides(algo: str, group_size: int, has_value_pretrain: bool) -> list[str]:
+    if algo == "sao":
+        return ["stages=[value_pretrain,rl]" if has_value_pretrain else "stages=[rl]"]
+    return [
+        "stages=[rl]",
+        "algorithm.name=grpo",
+        f"algorithm.grpo_group_size={group_size}",
+        "algorithm.clip_low=0.2",
+        "algorithm.clip_high=0.2",
+    ]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="examples/configs/quickstart.yaml")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--budget-s", type=float, default=120.0, help="wall-clock per run (s)")
+    ap.add_argument("--group-size", type=int, default=8, help="GRPO G")
+    ap.add_argument("--num-eval-tasks", type=int, default=64)
+    ap.add_argument("--out", default="runs/bench_sao_vs_grpo")
+    ap.add_argument("--section", default="SAO vs GRPO")
+    ap.add_argument("--write", action="store_true", help="update docs/BENCHMARKS.md")
+    ap.add_argument("override", nargs="*", help="extra section.field=value for every job")
+    args = ap.parse_args(argv)
+
+    from sao_megatron.configs import load_config
+    from sao_megatron.trainer.job import JobConfig
+
+    base = load_config(JobConfig, str(REPO / args.config), args.override)
+    has_vp = base.value_pretrain.steps > 0
+    out = (REPO / args.out).resolve()
+    sft = shared_sft(args.config, args.override, out / "sft")
+    common = [
+        *args.override,
+        "rl.steps=100000",
+        f"rl.time_budget_s={args.budget_s}",
+        f"tasks.num_eval_tasks={args.num_eval_tasks}",
+        "checkpoint.save_interval=0",
+        "logging.console=false",
+    ]
+    runs: dict[str, list[RunFigures]] = {"sao": [], "grpo": []}
+    for r in range(args.repeats):
+        for algo in ("sao", "grpo"):  # interleaved: load drift hits both alike
+            run_dir = out / f"{algo}_r{r}"
+            seed_from_sft(sft, run_dir)
+            ov = [*common, f"seed={r}", f"tasks.train_seed={r + 1}", f"rollout.seed={r}"]
+            run_job(args.config, ov + algo_overrides(algo, args.group_size, has_vp), run_dir)
+            runs[algo].append(run_figures(run_dir, f"{algo} r{r}"))
+
+    info = benchlib.machine_info()
+    table = render_table(runs, args)
+    plot = out / "sao_vs_grpo.png"
+    plot_curves(runs, plot, args)
+    print(table)
+    (out / "table.md").write_text(table)
+    (out / "figures.json").write_text(
+        json.dumps({a: [f.__dict__ for f in fs] for a, fs in runs.items()}, indent=1)
+    )
+    if args.write:
+        img = REPO / "docs" / "img" / "bench_sao_vs_grpo.png"
+        img.write_bytes(plot.read_bytes())
+        cmd = "python tools/bench_sao_vs_grpo.py " + " ".join(
+            [f"--repeats {args.repeats}", f"--budget-s {args.budget_s:g}", "--write"]
+            + ([f"--config {args.config}"] if args.config != ap.get_default("config") else [])
+            + args.override
+        )
+        body = (
+            f"Command:\n\n    {cmd}\n\n{benchlib.machine_line(info)}\n\n"
+            f"Config `{args.config}`; GRPO G={args.group_size}; budget {args.budget_s:g} s of "
+            f"wall-clock per run; {args.repeats} repeats (median [min, max]).\n\n{table}\n\n"
+            f"![reward vs wall-clock](img/bench_sao_vs_grpo.png)\n\n<!-- reading -->\n"
+        )
+        benchlib.write_section(args.section, body)
+    return 0
+
+
+def render_table(runs: dict[str, list[RunFigures]], args) -> str:
+    def row(label, fn, fmt="{:.3g}"):
+        cells = [spread([fn(f) for f in runs[a]], fmt) for a in ("sao", "grpo")]
+        return f"| {label} | {cells[0]} | {cells[1]} |"
+
+    first = next(iter(runs["sao"] or runs["grpo"]))
+    eval_keys = sorted(k for k in first.after if k.endswith(("success_rate", "mean_progress")))
+    lines = [
+        "| metric | SAO | GRPO |",
+        "|---|---|---|",
+        row("policy updates in budget", lambda f: f.steps, "{:.0f}"),
+        row("trained trajectories / s (end to end)", lambda f: f.trajectories_per_s),
+        row("train tokens / s (in train steps)", lambda f: f.train_tokens_per_s, "{:.0f}"),
+        row("peak trainer RSS per update (GiB)", lambda f: f.peak_rss_gib, "{:.2f}"),
+    ]
+    if any(f.peak_gpu_gib is not None for fs in runs.values() for f in fs):
+        lines.append(row("peak CUDA allocated per update (GiB)", lambda f: f.peak_gpu_gib))
+    for part in ("rollout wait", "train", "sync", "other"):
+        lines.append(row(f"time: {part} (fraction)", lambda f, p=part: f.time_split[p], "{:.2f}"))
+    lines += [
+        row("mean abs(1 - r) over action tokens", lambda f: f.abs_one_minus_ratio, "{:.2e}"),
+        row("policy-version lag (mean)", lambda f: f.version_lag, "{:.2f}"),
+        row("rollout worker utilisation", lambda f: f.worker_utilization, "{:.2f}"),
+    ]
+    for k in eval_keys:
+        lines.append(row(f"held-out {k} before RL", lambda f, k=k: f.before.get(k), "{:.3f}"))
+        lines.append(row(f"held-out {k} after RL", lambda f, k=k: f.after.get(k), "{:.3f}"))
+    return "\n".join(lines)
+
+
+def plot_curves(runs: dict[str, list[RunFigures]], path: Path, args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    colours = {"sao": "tab:blue", "grpo": "tab:orange"}
+    for algo, figs in runs.items():
+        for i, f in enumerate(figs):
+            xs, ys = benchlib.smooth(f.curve, 5)
+            axes[0].plot(
+                xs, ys, color=colours[algo], alpha=0.8, label=algo.upper() if i == 0 else None
+            )
+            if f.deviation_curve:
+                dx, dy = zip(*f.deviation_curve, strict=True)
+                axes[1].plot(
+                    dx, dy, color=colours[algo], alpha=0.8, label=algo.upper() if i == 0 else None
+                )
+    axes[0].set(
+        xlabel="wall-clock since RL start (s)",
+        ylabel="batch reward (5-step mean)",
+        title=f"Reward vs wall-clock ({len(next(iter(runs.values())))} repeats each)",
+    )
+    axes[1].set(
+        xlabel="wall-clock since RL start (s)",
+        ylabel="mean |1 - r| (action tokens)",
+        yscale="log",
+        title="Off-policy deviation",
+    )
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"SAO vs GRPO (G={args.group_size}), {args.config}, budget {args.budget_s:g} s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

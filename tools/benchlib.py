@@ -1,0 +1,221 @@
+"""Shared plumbing of the end-to-end benchmarks (`bench_sao_vs_grpo.py`, `bench_ablations.py`,
+`eval_horizon.py`): run `sao-train` jobs from one shared SFT checkpoint, read their metrics,
+summarise runs with median and spread, describe the machine, and rewrite a section of
+docs/BENCHMARKS.md.
+
+Every job is a real `sao-train` subprocess (`python -m sao_megatron.cli.train CONFIG
+overrides...`) so a benchmark measures exactly what a user runs. A run whose `summary.json`
+exists is reused (delete its folder to re-measure).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from sao_megatron.trainer.metrics import read_metrics  # noqa: E402
+
+DOC = REPO / "docs" / "BENCHMARKS.md"
+
+
+# ---------------------------------------------------------------------------- machine
+def machine_info() -> dict[str, str]:
+    """Cores, CPU model, torch, load average, UTC date and git commit (with a dirty flag)."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    commit = _git("rev-parse", "--short", "HEAD")
+    if _git("status", "--porcelain", "--untracked-files=no"):
+        commit += " (+ uncommitted changes)"
+    info = {
+        "nproc": str(os.cpu_count()),
+        "cpu": cpu,
+        "torch": torch.__version__,
+        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
+        "commit": commit,
+        "loadavg_1min": f"{os.getloadavg()[0]:.1f}",
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def machine_line(info: dict[str, str]) -> str:
+    gpu = f", GPU {info['gpu']}" if "gpu" in info else ", no GPU"
+    return (
+        f'Machine: `nproc` = {info["nproc"]}, CPU "{info["cpu"]}"{gpu}, torch {info["torch"]}, '
+        f"1-minute load average {info['loadavg_1min']} at the end. Date: {info['date_utc']} UTC. "
+        f"Commit: {info['commit']}."
+    )
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(
+            ["git", *args], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+# ---------------------------------------------------------------------------- jobs
+def run_job(config: str, overrides: list[str], run_dir: Path, *, force: bool = False) -> Path:
+    """Run `sao-train config run_dir=... overrides` unless run_dir/summary.json exists.
+
+    The job's stdout/stderr go to run_dir/job.log. Raises RuntimeError with the log's tail if
+    the job fails.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if (run_dir / "summary.json").exists() and not force:
+        print(f"[bench] reusing {run_dir} (delete it to re-measure)", flush=True)
+        return run_dir
+    cmd = [sys.executable, "-m", "sao_megatron.cli.train", config, f"run_dir={run_dir}"]
+    cmd += overrides
+    print("[bench] " + " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    with open(run_dir / "job.log", "w") as log:
+        rc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        tail = "\n".join((run_dir / "job.log").read_text().splitlines()[-40:])
+        raise RuntimeError(f"job failed (exit {rc}), log {run_dir / 'job.log'}:\n{tail}")
+    print(f"[bench]   done in {time.perf_counter() - t0:.0f} s", flush=True)
+    return run_dir
+
+
+def shared_sft(config: str, overrides: list[str], out: Path) -> Path:
+    """Run (once) the config's SFT stage alone into `out`; later runs start from its weights."""
+    return run_job(config, ["stages=[sft]", "tasks.num_eval_tasks=0", *overrides], out)
+
+
+def seed_from_sft(sft_dir: Path, run_dir: Path) -> None:
+    """Give run_dir the SFT run's tokenizer and final SFT checkpoint (hard links), so that a job
+    with stages without "sft" starts RL from those weights (controller: rl_stage)."""
+    for sub in ("tokenizer", "checkpoints/sft"):
+        dst = run_dir / sub
+        if not dst.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(sft_dir / sub, dst, copy_function=os.link)
+
+
+# ---------------------------------------------------------------------------- run summary
+@dataclass
+class RunFigures:
+    """What one RL run measured (from run_dir/rl/metrics.jsonl and run_dir/summary.json)."""
+
+    name: str
+    steps: int
+    wall_s: float
+    trajectories_per_s: float  # trained trajectories / wall-clock of value pre-training + RL
+    train_tokens_per_s: float  # real tokens forward/backward-ed / time in train steps
+    peak_rss_gib: float  # max over updates of the trainer's per-update peak RSS
+    peak_gpu_gib: float | None
+    time_split: dict[str, float]  # fraction of wall-clock: rollout wait, train, sync, other
+    abs_one_minus_ratio: float  # mean over steps
+    version_lag: float  # mean over steps
+    worker_utilization: float  # engines' busy fraction (last step, cumulative over the run)
+    before: dict[str, float]
+    after: dict[str, float]
+    curve: list[tuple[float, float]] = field(default_factory=list)  # (elapsed s, reward/mean)
+    deviation_curve: list[tuple[float, float]] = field(default_factory=list)
+
+
+def run_figures(run_dir: Path, name: str) -> RunFigures:
+    recs = [r for r in read_metrics(run_dir / "rl") if "time/rl_elapsed_s" in r]
+    if not recs:
+        raise RuntimeError(f"{run_dir}/rl/metrics.jsonl has no RL step records")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    wall = recs[-1]["time/rl_elapsed_s"]
+    trained_traj = sum(r.get("batch/num_trajectories", 0.0) for r in recs)
+    t_train = sum(r.get("time/train", 0.0) for r in recs)
+    tokens = sum(r["throughput/train_tokens_per_s"] * r.get("time/train", 0.0) for r in recs)
+    split = {
+        "rollout wait": sum(r.get("time/rollout", 0.0) for r in recs),
+        "train": t_train,
+        "sync": sum(r.get("time/sync", 0.0) for r in recs),
+        "checkpoint": sum(r.get("time/checkpoint", 0.0) for r in recs),
+    }
+    split["other"] = max(wall - sum(split.values()), 0.0)  # value pre-training, logging
+    gpu = [r["memory/peak_gpu_gib"] for r in recs if r.get("memory/peak_gpu_gib") is not None]
+    return RunFigures(
+        name=name,
+        steps=len(recs),
+        wall_s=wall,
+        trajectories_per_s=trained_traj / wall,
+        train_tokens_per_s=tokens / max(t_train, 1e-9),
+        peak_rss_gib=max(r.get("memory/peak_rss_gib") or 0.0 for r in recs),
+        peak_gpu_gib=max(gpu) if gpu else None,
+        time_split={k: v / wall for k, v in split.items()},
+        abs_one_minus_ratio=_mean(r.get("deviation/abs_one_minus_ratio_mean") for r in recs),
+        version_lag=_mean(r.get("deviation/version_lag_mean") for r in recs),
+        worker_utilization=recs[-1].get("rollout/worker_utilization") or float("nan"),
+        before={k[7:]: v for k, v in summary.items() if k.startswith("before/")},
+        after={k[6:]: v for k, v in summary.items() if k.startswith("after/")},
+        curve=[(r["time/rl_elapsed_s"], r["reward/mean"]) for r in recs],
+        deviation_curve=[
+            (r["time/rl_elapsed_s"], r["deviation/abs_one_minus_ratio_mean"])
+            for r in recs
+            if r.get("deviation/abs_one_minus_ratio_mean") is not None
+        ],
+    )
+
+
+def _mean(xs) -> float:
+    v = [x for x in xs if x is not None]
+    return sum(v) / len(v) if v else float("nan")
+
+
+def spread(values: list[float], fmt: str = "{:.3g}") -> str:
+    """'median [min, max]' of repeated measurements ('x' alone for one value)."""
+    v = [x for x in values if x is not None and x == x]
+    if not v:
+        return "-"
+    if len(v) == 1:
+        return fmt.format(v[0])
+    lo, med, hi = min(v), statistics.median(v), max(v)
+    return f"{fmt.format(med)} [{fmt.format(lo)}, {fmt.format(hi)}]"
+
+
+def smooth(points: list[tuple[float, float]], window: int = 5) -> tuple[list[float], list[float]]:
+    """Trailing moving average of y over `window` points (x unchanged)."""
+    xs = [p[0] for p in points]
+    ys = [p[1] for p in points]
+    out = [
+        sum(ys[max(0, i - window + 1) : i + 1]) / (i - max(0, i - window + 1) + 1)
+        for i in range(len(ys))
+    ]
+    return xs, out
+
+
+# ---------------------------------------------------------------------------- docs
+def write_section(heading: str, body: str, doc: Path = DOC) -> None:
+    """Replace (or append) the ``## heading`` section of docs/BENCHMARKS.md with `body`."""
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    pattern = re.compile(rf"^## {re.escape(heading)}\n.*?(?=^## |\Z)", re.S | re.M)
+    block = f"## {heading}\n\n{body.strip()}\n\n"
+    text = (
+        pattern.sub(lambda _: block, text)
+        if pattern.search(text)
+        else text.rstrip() + "\n\n" + block
+    )
+    doc.write_text(text.rstrip() + "\n")
+    print(f"[bench] wrote section '{heading}' of {doc}", flush=True)
