@@ -5,23 +5,31 @@ Two measurements, then a markdown table (for docs/BENCHMARKS.md) and optional ra
 1. Roofline: ``torch.matmul`` FLOP/s on the GEMM shapes one micro-batch forward of the model runs
    (QKV, attention scores/context, output projection, router, expert fc1 (SwiGLU: 2 x ffn
    columns) and fc2 at tokens*top_k/experts rows per expert, shared expert / dense MLP if any,
-   LM head, value head), fp32 and bf16 on this machine's CPU; with CUDA also bf16 on the GPU and,
-   if Transformer Engine imports, FP8 through ``te.Linear`` under ``fp8_autocast`` (else
-   "n/a"). Each shape is timed with ``torch.utils.benchmark.Timer.blocked_autorange`` (the
-   median of blocks, after its warm-up); the aggregate is the FLOP-weighted rate of a whole
-   forward, sum(flops_i * n_i) / sum(seconds_i * n_i) with n_i the uses per forward pass: the
-   best FLOP/s a GEMM-bound forward of this model could reach here ("roofline").
+   LM head, value head), fp32 and bf16 on this machine's CPU; with CUDA also fp32 and bf16 on
+   the GPU and, if Transformer Engine imports, FP8 through ``te.Linear`` under ``fp8_autocast``
+   (FP8 casts included). A missing backend or a refused shape is printed "n/a (reason)", never
+   an error. Each shape is timed with ``torch.utils.benchmark.Timer.blocked_autorange`` (one
+   warm-up call, then the median over timed blocks; the fastest block is kept in the JSON). The
+   aggregate is the FLOP-weighted rate of a whole forward, sum(flops_i * n_i) /
+   sum(seconds_i * n_i) with n_i the uses per forward pass: the best FLOP/s a GEMM-bound forward
+   of this model reaches here ("roofline"), for the policy mix (LM head) and the value mix
+   (value head). Only forward shapes are timed; backward GEMMs are their transposes.
 2. Achieved: the real Megatron policy and value models on 1 rank (gloo on CPU; the trainer's
    device and precision from the config), a synthetic packed ``TrainBatch`` of ``--rows`` rows
-   of exactly ``--seq-len`` tokens (no padding), behaviour log-probs from the policy itself.
-   ``RLStep.train_step`` (SAO) is timed whole and by the phases it reports itself
-   (``time/value``: value forward, K value updates, value forward, advantages;
-   ``time/policy``: one policy update), and ``RLStep.value_step`` (value pre-training: the value
-   phase alone). Optimiser steps are inside the timed phases; their FLOPs are not counted.
+   of exactly ``--seq-len`` tokens (4 action nodes per row, half observation and half action
+   tokens, no padding), behaviour log-probs from the policy itself. ``RLStep.train_step`` (SAO)
+   is timed whole and by the phases it reports itself (``time/value``: value forward, K value
+   updates, value forward, advantages; ``time/policy``: one policy update), and
+   ``RLStep.value_step`` (value pre-training: the value phase alone). Optimiser steps are inside
+   the timed phases; their FLOPs are not counted.
 
-MFU = achieved model FLOP/s / roofline aggregate FLOP/s (PaLM, Chowdhery et al. 2022, appendix
-B: "model FLOPs utilization", model FLOPs not counting recomputation or optimiser work), against
-the roofline of the trainer's own dtype (fp32 on CPU) and, for reference, bf16.
+MFU = achieved model FLOP/s / roofline FLOP/s (PaLM, Chowdhery et al. 2022, appendix B: "model
+FLOPs utilization", model FLOPs not counting recomputation or optimiser work). The roofline of a
+phase is the aggregate of its forward mix in the trainer's own dtype (fp32 on CPU): the policy
+mix for the policy update, the value mix for value phases, the time-weighted blend of both for
+the whole step; MFU against the bf16 roofline is printed for reference. Both halves are
+sensitive to other load on the machine (the table records the load average before and after):
+run it on an idle machine; an MFU above 100% means the roofline run was disturbed.
 
 FLOP conventions (counted exactly, per processed token position, by `forward_flops`):
 - A matmul [M, K] x [K, N] is 2*M*K*N FLOPs (multiply + add). Only matmuls are counted:
@@ -52,7 +60,9 @@ FLOP conventions (counted exactly, per processed token position, by `forward_flo
   (SAO uses the rollout's behaviour log-probs, no extra "old" forward).
   tests/tools/test_bench_mfu.py checks these counts against ``torch.utils.flop_counter``.
 
-Reproduce (the command in docs/BENCHMARKS.md; ~ a few minutes on 2 cores):
+Reproduce (the command in docs/BENCHMARKS.md; about 2-3 minutes on an idle 2-core CPU; 16 rows
+= rollout.trajectories_per_batch and micro-batch 8 = rl.micro_batch_size of the quickstart;
+vocabulary 512 = the quickstart's trained tokenizer):
 
     python tools/bench_mfu.py --config examples/configs/quickstart.yaml --rows 16 --seq-len 256 \
         --steps 3 --json runs/bench_mfu.json
@@ -228,8 +238,9 @@ def step_flops(model, num_rows: int, seq_len: int, k_value: int, policy_frac, va
 
 
 # ------------------------------------------------------------------------------ roofline
-def _time_matmul(g: Gemm, dtype: torch.dtype, device: str, min_run_time: float) -> float:
-    """Median seconds of one product of shape ``g`` (rows rounded to an integer)."""
+def _time_matmul(g: Gemm, dtype: torch.dtype, device: str, min_run_time: float):
+    """(median, best) seconds of one product of shape ``g`` over ``blocked_autorange`` blocks
+    (rows rounded to an integer, the time scaled back to the fractional row count)."""
     from torch.utils.benchmark import Timer
 
     m = max(round(g.m), 1)
@@ -243,11 +254,13 @@ def _time_matmul(g: Gemm, dtype: torch.dtype, device: str, min_run_time: float) 
         globals={"torch": torch, "a": a, "b": b},
         num_threads=torch.get_num_threads(),
     )
-    return timer.blocked_autorange(min_run_time=min_run_time).median * (g.m / m)
+    meas = timer.blocked_autorange(min_run_time=min_run_time)
+    return meas.median * (g.m / m), min(meas.times) * (g.m / m)
 
 
-def _time_te_fp8(g: Gemm, min_run_time: float) -> float:
-    """Median seconds of ``te.Linear`` (bf16 params, FP8 compute) on [m, k] inputs."""
+def _time_te_fp8(g: Gemm, min_run_time: float):
+    """(median, best) seconds of ``te.Linear`` (bf16 params, FP8 GEMM) on [m, k] inputs,
+    including TE's casts to FP8."""
     import transformer_engine.pytorch as te
     from torch.utils.benchmark import Timer
     from transformer_engine.common.recipe import DelayedScaling
@@ -259,30 +272,35 @@ def _time_te_fp8(g: Gemm, min_run_time: float) -> float:
     stmt = "with te.fp8_autocast(enabled=True, fp8_recipe=recipe):\n    lin(x)"
     glb = {"te": te, "lin": lin, "x": x, "recipe": DelayedScaling()}
     exec(stmt, glb)  # warm-up; raises for shapes FP8 GEMMs refuse (dims % 16)
-    return Timer(stmt, globals=glb).blocked_autorange(min_run_time=min_run_time).median
+    meas = Timer(stmt, globals=glb).blocked_autorange(min_run_time=min_run_time)
+    return meas.median, min(meas.times)
 
 
-def roofline(gemms: list[Gemm], min_run_time: float) -> dict[str, dict[str, float | str]]:
-    """FLOP/s per shape and backend; "n/a (reason)" where a backend is missing or refuses."""
+def roofline(gemms: list[Gemm], min_run_time: float) -> tuple[dict, dict]:
+    """FLOP/s per backend and shape, {backend: {shape: FLOP/s or "n/a (reason)"}}, where a
+    backend is missing or refuses a shape: (from the median block, from the fastest block)."""
     cuda = torch.cuda.is_available()
     backends = {
         "cpu_fp32": lambda g: _time_matmul(g, torch.float32, "cpu", min_run_time),
         "cpu_bf16": lambda g: _time_matmul(g, torch.bfloat16, "cpu", min_run_time),
+        "cuda_fp32": lambda g: _time_matmul(g, torch.float32, "cuda", min_run_time),
         "cuda_bf16": lambda g: _time_matmul(g, torch.bfloat16, "cuda", min_run_time),
         "cuda_te_fp8": lambda g: _time_te_fp8(g, min_run_time),
     }
-    out: dict[str, dict[str, float | str]] = {}
+    med: dict[str, dict[str, float | str]] = {}
+    best: dict[str, dict[str, float | str]] = {}
     for name, fn in backends.items():
-        out[name] = {}
+        med[name], best[name] = {}, {}
         for g in gemms:
             if name.startswith("cuda") and not cuda:
-                out[name][g.name] = "n/a (no CUDA)"
+                med[name][g.name] = best[name][g.name] = "n/a (no CUDA)"
                 continue
             try:
-                out[name][g.name] = g.flops / fn(g)
+                t_med, t_best = fn(g)
+                med[name][g.name], best[name][g.name] = g.flops / t_med, g.flops / t_best
             except Exception as exc:  # a missing TE or a refused shape is a table entry
-                out[name][g.name] = f"n/a ({type(exc).__name__})"
-    return out
+                med[name][g.name] = best[name][g.name] = f"n/a ({type(exc).__name__})"
+    return med, best
 
 
 def aggregate(gemms: list[Gemm], rates: dict[str, float | str]) -> float | str:
@@ -391,10 +409,20 @@ def machine_info() -> dict[str, str | int | float]:
         "gpu": gpu,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "load_avg_1_5_15": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "load_avg_1_5_15": _load(),
         "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
         "commit": commit,
     }
+
+
+def _rel(path: str) -> str:
+    """``path`` relative to the repository when inside it (for the docs)."""
+    p = Path(path).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(path)
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def _g(x: float | str) -> str:
@@ -414,8 +442,8 @@ def markdown(res: dict) -> str:
         f"({cfg['micro_batch_size']} rows x {cfg['seq_len']} tokens).",
         "",
         "| GEMM (forward) | [m x k] x [k x n] | uses/fwd | GFLOP/fwd | CPU fp32 GFLOP/s "
-        "| CPU bf16 GFLOP/s | CUDA bf16 GFLOP/s | CUDA TE FP8 GFLOP/s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| CPU bf16 GFLOP/s | CUDA fp32 GFLOP/s | CUDA bf16 GFLOP/s | CUDA TE FP8 GFLOP/s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     rf = res["roofline"]
     for g in res["gemms"]:
@@ -427,17 +455,22 @@ def markdown(res: dict) -> str:
     for mix in ("policy", "value"):
         rates = " | ".join(_g(res["aggregate"][mix][b]) for b in rf)
         lines.append(f"| **aggregate, {mix} forward mix** | | | | {rates} |")
-    ref = cfg["trainer_roofline"]
+    if not res["trainer"]:
+        return "\n".join(lines)
+    dt = cfg["trainer_dtype"]
     lines += [
         "",
-        f"Trainer: {cfg['trainer_device']} {cfg['trainer_dtype']}, 1 rank, SAO with "
+        f"Trainer: {cfg['trainer_device']} {dt}, 1 rank, SAO with "
         f"K={cfg['value_updates']} value updates per policy update, {cfg['rows']} rows x "
-        f"{cfg['seq_len']} tokens, micro-batch {cfg['micro_batch_size']}; median [min, max] "
-        f"of {cfg['steps']} steps after {cfg['warmup']} warm-up. MFU is against the "
-        f"{ref} aggregate roofline above (and bf16 for reference).",
+        f"{cfg['seq_len']} tokens, micro-batch {cfg['micro_batch_size']}; seconds: median "
+        f"[min, max] of {cfg['steps']} steps after {cfg['warmup']} warm-up. Roofline: the "
+        f"{cfg['trainer_device']} {dt} aggregate above of the phase's forward mix (policy mix "
+        "for the policy update, value mix for value phases, both time-weighted for the step); "
+        "MFU = achieved / roofline, and against the bf16 roofline for reference.",
         "",
-        "| phase | what runs | model GFLOP | seconds | achieved GFLOP/s | MFU | MFU vs bf16 |",
-        "|---|---|---|---|---|---|---|",
+        f"| phase | what runs | model GFLOP | seconds | achieved GFLOP/s | {dt} roofline "
+        "GFLOP/s | MFU | MFU vs bf16 |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in res["trainer"].items():
         t = r["seconds"]
@@ -445,13 +478,28 @@ def markdown(res: dict) -> str:
         mfu16 = "n/a" if isinstance(r["mfu_bf16"], str) else f"{100 * r['mfu_bf16']:.1f}%"
         lines.append(
             f"| {name} | {r['what']} | {_g(r['flops'])} | {t['median']:.3f} "
-            f"[{t['min']:.3f}, {t['max']:.3f}] | {_g(r['flops_per_s'])} | {mfu} | {mfu16} |"
+            f"[{t['min']:.3f}, {t['max']:.3f}] | {_g(r['flops_per_s'])} | "
+            f"{_g(r['roofline_flops_per_s'])} | {mfu} | {mfu16} |"
         )
     return "\n".join(lines)
 
 
 def _ratio(a: float, b: float | str) -> float | str:
     return "n/a" if isinstance(b, str) else a / b
+
+
+def phase_roofline(phase: str, flops: dict[str, float], policy_rate, value_rate) -> float | str:
+    """The roofline FLOP/s of a trainer phase: the policy forward mix for the policy update, the
+    value mix for value phases, and for the whole step the time-weighted mix of both,
+    total / (policy FLOPs / policy rate + value FLOPs / value rate)."""
+    if isinstance(policy_rate, str) or isinstance(value_rate, str):
+        return "n/a"
+    if phase == "policy_update":
+        return policy_rate
+    if phase in ("value_phase", "value_step"):
+        return value_rate
+    secs = flops["policy_update"] / policy_rate + flops["value_phase"] / value_rate
+    return (flops["policy_update"] + flops["value_phase"]) / secs
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -530,7 +578,7 @@ def main(argv: list[str] | None = None) -> dict:
     if tokens % args.seq_len:
         raise ValueError(f"--tokens={tokens} must be a multiple of --seq-len={args.seq_len}")
     setup = {
-        "config": args.config,
+        "config": _rel(args.config),
         "overrides": args.overrides,
         "model": (
             f"hidden {m.hidden_size}, {m.num_hidden_layers} layers, {m.num_attention_heads} "
@@ -550,15 +598,20 @@ def main(argv: list[str] | None = None) -> dict:
     rows_mb = tokens // args.seq_len
     mixes = {h: model_gemms(m, rows_mb, args.seq_len, h) for h in ("policy", "value")}
     gemms = mixes["policy"] + [mixes["value"][-1]]
-    print(f"timing {len(gemms)} GEMM shapes x 4 backends ...", file=sys.stderr)
-    rf = roofline(gemms, args.min_run_time)
+    print(f"timing {len(gemms)} GEMM shapes ...", file=sys.stderr)
+    rf, rf_best = roofline(gemms, args.min_run_time)
     res["gemms"] = [{**g.__dict__, "flops": g.flops} for g in gemms]
     res["roofline"] = rf
+    res["roofline_best_block"] = rf_best
     res["aggregate"] = {h: {b: aggregate(gs, rf[b]) for b in rf} for h, gs in mixes.items()}
+    res["aggregate_best_block"] = {
+        h: {b: aggregate(gs, rf_best[b]) for b in rf_best} for h, gs in mixes.items()
+    }
 
     res["trainer"] = {}
     if not args.skip_trainer:
         res["trainer"] = _trainer_section(job, args, mbs, res)
+    res["machine"]["load_avg_at_end"] = _load()
     text = markdown(res)
     print(text)
     if args.json:
@@ -592,27 +645,31 @@ def _trainer_section(job, args, mbs: int, res: dict) -> dict:
     ref_name = f"{device}_{dtype}"
     setup = res["setup"]
     setup.update(trainer_device=device, trainer_dtype=dtype, trainer_roofline=ref_name)
-    ref = res["aggregate"]["policy"].get(ref_name, "n/a")
-    ref16 = res["aggregate"]["policy"][f"{device}_bf16"]
     what = {
         "train_step": "SAO RLStep.train_step (value phase + policy update)",
         "value_phase": f"time/value: {k + 2} value fwd + {k} value bwd, advantages",
         "policy_update": "time/policy: 1 policy fwd + bwd + optimiser step",
         "value_step": "RLStep.value_step (value pre-training step)",
     }
+    agg = res["aggregate"]
     out = {}
     for name, secs in times.items():
         med = statistics.median(secs)
         rate = fl[name] / med
+        refs = {}
+        for dt in (dtype, "bf16"):
+            rp, rv = (agg[mix].get(f"{device}_{dt}", "n/a") for mix in ("policy", "value"))
+            refs[dt] = phase_roofline(name, fl, rp, rv)
         out[name] = {
             "what": what[name],
             "flops": fl[name],
             "seconds": {"median": med, "min": min(secs), "max": max(secs), "all": secs},
             "flops_per_s": rate,
-            "mfu": _ratio(rate, ref),
-            "mfu_bf16": _ratio(rate, ref16),
+            "roofline_flops_per_s": refs[dtype],
+            "mfu": _ratio(rate, refs[dtype]),
+            "mfu_bf16": _ratio(rate, refs["bf16"]),
         }
-    out["_trainable_fractions"] = {"policy": pf, "value": vf}
+    res["trainable_fractions"] = {"policy": pf, "value": vf}
     return out
 
 
