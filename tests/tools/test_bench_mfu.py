@@ -136,3 +136,42 @@ def test_aggregate_is_time_weighted():
     secs = 3 * gemms[0].flops / 1e9 + gemms[1].flops / 4e9
     assert bench.aggregate(gemms, rates) == pytest.approx((3 * 48 + 420) / secs)
     assert bench.aggregate(gemms, {"a": 1e9, "b": "n/a (no CUDA)"}) == "n/a"
+
+
+def test_sao_phases_match_flop_counter(monkeypatch, parallel_1rank):
+    """Everything RLStep.train_step / value_step multiplies, minus the advantage scan (not model
+    FLOPs), equals `step_flops`: (K + 2) value forwards, K value backwards, 1 policy update."""
+    from sao_megatron.configs import load_config
+    from sao_megatron.trainer import rl_step
+    from sao_megatron.trainer.job import JobConfig
+    from tests.conftest import tiny_moe_kwargs
+
+    model = {**tiny_moe_kwargs(), "vocab_size": 300}
+    overrides = [f"model.{k}={v}" for k, v in model.items()] + ["tokenizer.vocab_size=300"]
+    job = load_config(JobConfig, None, overrides)
+    policy, value, step, batch = bench.build_trainer(job, parallel_1rank, 4, 16, 2)
+    pf = bench.trainable_fractions(_named(policy.unwrapped))
+    vf = bench.trainable_fractions(_named(value.unwrapped))
+    k = job.algorithm.value_updates_per_policy_update
+    assert k == 2
+    want = bench.step_flops(job.model, 4, 16, k, pf, vf)
+
+    scan_flops = []
+    original = rl_step.compute_advantages
+
+    def counted_advantages(*args, **kwargs):
+        with FlopCounterMode(display=False) as inner:  # nested: the outer counter sees it too
+            out = original(*args, **kwargs)
+        scan_flops.append(inner.get_total_flops())
+        return out
+
+    monkeypatch.setattr(rl_step, "compute_advantages", counted_advantages)
+    for phase in ("train_step", "value_phase"):
+        scan_flops.clear()
+        with FlopCounterMode(display=False) as outer:
+            if phase == "train_step":
+                step.train_step(batch, train_version=0)
+            else:
+                step.value_step(batch)
+        assert scan_flops, "the advantage scan ran outside the counted call"
+        assert outer.get_total_flops() - sum(scan_flops) == want[phase], phase
