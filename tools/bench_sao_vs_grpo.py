@@ -33,7 +33,7 @@ from benchlib import REPO, RunFigures, run_figures, run_job, seed_from_sft, shar
 
 def algo_overrides(algo: str, group_size: int, has_value_pretrain: bool) -> list[str]:
     if algo == "sao":
-        return ["stages=[value_pretrain,rl]" if has_value_pretrain else "stages=[rl]"]
+        return benchlib.sao_overrides(has_value_pretrain)
     return [
         "stages=[rl]",
         "algorithm.name=grpo",
@@ -63,20 +63,12 @@ def main(argv=None) -> int:
     has_vp = base.value_pretrain.steps > 0
     out = (REPO / args.out).resolve()
     sft = shared_sft(args.config, args.override, out / "sft")
-    common = [
-        *args.override,
-        "rl.steps=100000",
-        f"rl.time_budget_s={args.budget_s}",
-        f"tasks.num_eval_tasks={args.num_eval_tasks}",
-        "checkpoint.save_interval=0",
-        "logging.console=false",
-    ]
     runs: dict[str, list[RunFigures]] = {"sao": [], "grpo": []}
     for r in range(args.repeats):
         for algo in ("sao", "grpo"):  # interleaved: load drift hits both alike
             run_dir = out / f"{algo}_r{r}"
             seed_from_sft(sft, run_dir)
-            ov = [*common, f"seed={r}", f"tasks.train_seed={r + 1}", f"rollout.seed={r}"]
+            ov = benchlib.rl_overrides(args.override, args.budget_s, args.num_eval_tasks, r)
             run_job(args.config, ov + algo_overrides(algo, args.group_size, has_vp), run_dir)
             runs[algo].append(run_figures(run_dir, f"{algo} r{r}"))
 

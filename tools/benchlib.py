@@ -86,9 +86,18 @@ def run_job(config: str, overrides: list[str], run_dir: Path, *, force: bool = F
     the job fails.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
+    spec = {"config": config, "overrides": overrides}
+    spec_file = run_dir / "bench_job.json"
     if (run_dir / "summary.json").exists() and not force:
+        old = json.loads(spec_file.read_text()) if spec_file.exists() else spec
+        if old != spec:
+            raise RuntimeError(
+                f"{run_dir} holds a finished run of another job ({old}); delete the folder or "
+                "use another --out"
+            )
         print(f"[bench] reusing {run_dir} (delete it to re-measure)", flush=True)
         return run_dir
+    spec_file.write_text(json.dumps(spec, indent=1))
     cmd = [sys.executable, "-m", "sao_megatron.cli.train", config, f"run_dir={run_dir}"]
     cmd += overrides
     print("[bench] " + " ".join(cmd), flush=True)
@@ -115,6 +124,26 @@ def seed_from_sft(sft_dir: Path, run_dir: Path) -> None:
         if not dst.exists():
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copytree(sft_dir / sub, dst, copy_function=os.link)
+
+
+def rl_overrides(user: list[str], budget_s: float, num_eval_tasks: int, repeat: int) -> list[str]:
+    """Overrides shared by every benchmark RL run: the wall-clock budget (steps unbounded), the
+    repeat's seeds (model/data seed, task stream, sampling), no periodic checkpoints."""
+    return [
+        *user,
+        "rl.steps=100000",
+        f"rl.time_budget_s={budget_s:g}",
+        f"tasks.num_eval_tasks={num_eval_tasks}",
+        "checkpoint.save_interval=0",
+        "logging.console=false",
+        f"seed={repeat}",
+        f"tasks.train_seed={repeat + 1}",
+        f"rollout.seed={repeat}",
+    ]
+
+
+def sao_overrides(has_value_pretrain: bool) -> list[str]:
+    return ["stages=[value_pretrain,rl]" if has_value_pretrain else "stages=[rl]"]
 
 
 # ---------------------------------------------------------------------------- run summary

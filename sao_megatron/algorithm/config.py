@@ -13,10 +13,18 @@ from typing import ClassVar
 
 ALGORITHM_NAMES = ("sao", "grpo")
 ADVANTAGE_GRANULARITIES = ("action_token", "node_last_token", "node_mean")
-IMPORTANCE_WEIGHTINGS = ("dis_band", "tis", "masked_is", "seq_geo_mask", "decoupled_ppo", "none")
+IMPORTANCE_WEIGHTINGS = (
+    "dis_band",
+    "ppo_clip",
+    "tis",
+    "masked_is",
+    "seq_geo_mask",
+    "decoupled_ppo",
+    "none",
+)
 # Which behaviour-correction schemes each algorithm's policy loss can use (see docs/ALGORITHM.md).
 _IMPORTANCE_BY_ALGORITHM = {
-    "sao": ("dis_band", "tis", "masked_is", "seq_geo_mask", "none"),
+    "sao": ("dis_band", "ppo_clip", "tis", "masked_is", "seq_geo_mask", "none"),
     "grpo": ("tis", "masked_is", "seq_geo_mask", "decoupled_ppo", "none"),
 }
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
@@ -75,8 +83,11 @@ class AlgorithmConfig:
 
     # --- importance weighting (behaviour-policy correction) ---------------------------------
     importance_weighting: str | None = None
-    """One of dis_band (SAO default), tis, masked_is, seq_geo_mask, decoupled_ppo, none (GRPO
-    default). None picks the algorithm's default. dis_band is SAO-only, decoupled_ppo GRPO-only."""
+    """One of dis_band (SAO default), ppo_clip, tis, masked_is, seq_geo_mask, decoupled_ppo, none
+    (GRPO default). None picks the algorithm's default. dis_band and ppo_clip are SAO-only
+    (ppo_clip: PPO's clipped surrogate on r = pi_theta / pi_behaviour with clip_low/clip_high, the
+    behaviour log-probs standing in for the old policy; the DIS-vs-PPO ablation), decoupled_ppo is
+    GRPO-only."""
     eps_low: float = 0.3
     """DIS band: tokens with r <= 1 - eps_low are dropped. In (0, 1); 0.3 reasoning, 0.8 coding."""
     eps_high: float = 5.0

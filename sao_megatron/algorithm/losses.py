@@ -272,12 +272,25 @@ def policy_loss(
     """The policy loss selected by `config` (without entropy / KL terms).
 
     sao: importance-weighted policy gradient with weights from `algorithm.importance_weighting`
-    on r = exp(l_theta - l_b) (dis_band gives `dis_policy_loss`).
+    on r = exp(l_theta - l_b) (dis_band gives `dis_policy_loss`); importance_weighting="ppo_clip"
+    gives `ppo_clip_loss` on r = exp(l_theta - l_b) instead (Schulman et al. 2017, eq. 7, with the
+    behaviour policy as pi_old).
     grpo: `ppo_clip_loss` on exp(l_theta - l_old), times the weight of
     `algorithm.importance_weighting` on exp(l_old - l_b); needs old_logprobs [B, T] (the
     recomputed old, or proximal for decoupled_ppo). Raises ValueError if it is missing.
     """
     agg = dict(mode=config.loss_aggregation, num_tokens=num_tokens, num_sequences=num_sequences)
+    if config.name == "sao" and config.importance_weighting == "ppo_clip":
+        return ppo_clip_loss(
+            logprobs,
+            behaviour_logprobs,
+            advantages,
+            action_mask,
+            clip_low=config.clip_low,
+            clip_high=config.clip_high,
+            dual_clip=config.dual_clip,
+            **agg,
+        )
     if config.name == "sao":
         w = importance_weights(config, logprobs, behaviour_logprobs, action_mask).weights
         return policy_gradient_loss(logprobs, advantages, w, action_mask, **agg)

@@ -65,6 +65,8 @@ class HanoiConfig:
         peg_labels: three distinct single upper-case letters naming the pegs in text.
         reward_mode: "success" (sparse: `success_reward` on solving) or "progress" (dense: each
             legal move earns success_reward * (distance before - distance after) / H).
+        instructions: "full" (the rules in words, ~70 tokens) or "short" (one terse line, for
+            long-horizon runs where the first observation is in every windowed prompt).
     """
 
     horizon: int = 50
@@ -76,6 +78,7 @@ class HanoiConfig:
     invalid_action_ends_episode: bool = True
     peg_labels: str = "ABC"
     reward_mode: str = "success"
+    instructions: str = "full"
 
     def __post_init__(self) -> None:
         if not (isinstance(self.horizon, int) and self.horizon >= 1):
@@ -95,6 +98,8 @@ class HanoiConfig:
             )
         if self.reward_mode not in ("success", "progress"):
             raise ValueError(f"hanoi.reward_mode={self.reward_mode!r}: use 'success' or 'progress'")
+        if self.instructions not in ("full", "short"):
+            raise ValueError(f"hanoi.instructions={self.instructions!r}: use 'full' or 'short'")
         labels = self.peg_labels
         if not (
             len(labels) == 3 and len(set(labels)) == 3 and labels.isalpha() and labels.isupper()
@@ -254,6 +259,11 @@ class HanoiEnv:
         self.num_steps = 0
         self.done = False
         lab = self._labels
+        if cfg.instructions == "short":
+            return (
+                f"Hanoi {self.num_disks} disks, goal peg {lab[self.target_peg]}, "
+                f"one move X->Y per turn.\n" + self.render()
+            )
         return (
             f"Tower of Hanoi: {self.num_disks} disks on pegs {lab[0]}, {lab[1]}, {lab[2]}. "
             f"Move all disks to peg {lab[self.target_peg]}. Disks are numbered by size (1 is the "

@@ -299,3 +299,25 @@ def test_kl_loss_aggregates_action_tokens_only():
     assert math.isclose(float(got.detach()), expect, rel_tol=1e-10)
     got.backward()
     assert torch.isfinite(lp.grad).all() and (lp.grad[~mask] == 0).all()
+
+
+def test_sao_ppo_clip_is_ppo_on_the_behaviour_ratio():
+    """importance_weighting="ppo_clip" (the DIS-vs-PPO ablation): PPO's clipped surrogate with
+    the behaviour log-probs as pi_old, against the float64 loop reference."""
+    mask, lp, blp, adv = make(11)
+    cfg = AlgorithmConfig(name="sao", importance_weighting="ppo_clip", clip_low=0.2, clip_high=0.3)
+    loss = policy_loss(cfg, logprobs=lp, behaviour_logprobs=blp, advantages=adv, action_mask=mask)
+    ref = ref_ppo(lp, blp, torch.nan_to_num(adv), mask, 0.2, 0.3, cfg.dual_clip, None)
+    torch.testing.assert_close(
+        loss, torch.tensor(ref_aggregate(ref, mask, "token_mean"), dtype=torch.float64)
+    )
+    dis = policy_loss(
+        AlgorithmConfig(name="sao"),
+        logprobs=lp,
+        behaviour_logprobs=blp,
+        advantages=adv,
+        action_mask=mask,
+    )
+    assert not torch.allclose(loss, dis)  # a different objective, not the DIS band
+    with pytest.raises(ValueError, match="importance_weighting"):
+        AlgorithmConfig(name="grpo", importance_weighting="ppo_clip")

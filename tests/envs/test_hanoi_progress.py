@@ -59,3 +59,18 @@ def test_sparse_mode_still_reports_progress_and_pays_only_on_success():
 def test_bad_reward_mode_names_the_field():
     with pytest.raises(ValueError, match="hanoi.reward_mode"):
         make_env("hanoi", horizon=5, reward_mode="dense")
+
+
+def test_short_instructions_name_disks_and_goal_and_keep_the_state():
+    full = make_env("hanoi", horizon=30)
+    short = make_env("hanoi", horizon=30, instructions="short")
+    a, b = full.reset(seed=4), short.reset(seed=4)
+    assert short.state == full.state and short.target_peg == full.target_peg
+    goal = "ABC"[short.target_peg]
+    assert (
+        b.splitlines()[0]
+        == f"Hanoi {short.num_disks} disks, goal peg {goal}, one move X->Y per turn."
+    )
+    assert b.splitlines()[1:] == a.splitlines()[1:] and len(b) < len(a) / 2
+    with pytest.raises(ValueError, match="hanoi.instructions"):
+        make_env("hanoi", horizon=5, instructions="terse")

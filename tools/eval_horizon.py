@@ -1,0 +1,218 @@
+"""Held-out success by horizon: Tower-of-Hanoi tasks H optimal moves from the goal, H = 50, 200,
+500, for policies trained with SAO and with GRPO under the same budget (and their SFT start).
+
+Each policy is a Hugging Face folder written by `sao-train` (`<run>/hf_policy_final` after RL,
+`<run>/hf_policy` = the weights RL started from). One vLLM engine serves it; `--num-tasks`
+held-out episodes per horizon run through the same episode loop and formatter as training
+(the job config's `episode` and `rollout` sections: window context, sampling temperature).
+Held-out seeds come from the job's eval stream, identical for every policy. An illegal or
+malformed move ends an episode; the step budget is H (`max_steps_factor` 1), so success needs
+H optimal moves in a row. The disk count of a horizon-H task goes up to the largest one the
+training tasks used (extra_disks = train max disks - min disks(H)), so the observations at every
+horizon use disk numbers the policy has seen.
+
+Reported per policy and horizon: success rate (with its binomial standard error), mean progress
+(fraction of the initial optimal distance removed when the episode ended, failures included)
+and mean number of moves.
+
+    python tools/eval_horizon.py --bench-dir runs/bench_long_horizon \\
+        --config examples/configs/bench_long_horizon.yaml --horizons 50 200 500 --write
+
+`--policy NAME=HF_DIR` (repeatable) evaluates other folders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import benchlib
+from benchlib import REPO
+
+
+def eval_env_spec(job, horizon: int):
+    """The held-out Hanoi task at `horizon`, built from the job's first Hanoi training task."""
+    from sao_megatron.envs.base import EnvSpec
+    from sao_megatron.envs.hanoi import HanoiConfig, min_disks
+
+    train = next((e for e in job.tasks.train if e.name == "hanoi"), None)
+    if train is None:
+        raise ValueError("tasks.train has no hanoi task: eval_horizon evaluates Tower of Hanoi")
+    base = HanoiConfig(**train.options)
+    max_disks = min_disks(base.horizon) + base.extra_disks
+    opts = dataclasses.asdict(base) | {
+        "horizon": horizon,
+        "extra_disks": max(0, max_disks - min_disks(horizon)),
+        "max_steps_factor": 1.0,
+        "reward_mode": "progress",
+        "invalid_action_ends_episode": True,
+    }
+    return EnvSpec(name="hanoi", options=opts)
+
+
+def evaluate_policy(
+    hf_dir: Path, job, horizons: list[int], num_tasks: int, work: Path, concurrency: int = 32
+) -> dict[int, dict[str, float]]:
+    """Serve `hf_dir` on one local vLLM engine and evaluate the Hanoi task at each horizon.
+
+    Returns {horizon: {"success_rate", "success_se", "mean_progress", "mean_turns",
+    "num_tasks", "wall_s"}}.
+    """
+    from sao_megatron.data.episode import EpisodeFormatter
+    from sao_megatron.data.tokenizer import load_tokenizer
+    from sao_megatron.rollout.engine import EngineProcess
+    from sao_megatron.trainer.evaluate import evaluate
+
+    tok = load_tokenizer(str(hf_dir / "sao_tokenizer"))
+    fmt = EpisodeFormatter(tok, job.episode)
+    rcfg = dataclasses.replace(
+        job.rollout, model_path=str(hf_dir), run_dir=str(work), num_engines=1
+    )
+    engine = EngineProcess(rcfg, 0)
+    engine.start()
+    out: dict[int, dict[str, float]] = {}
+    try:
+        engine.wait_ready()
+        for h in horizons:
+            spec = eval_env_spec(job, h)
+            t0 = time.perf_counter()
+            m = evaluate(
+                [engine.url],
+                [spec],
+                num_tasks=num_tasks,
+                base_seed=job.tasks.eval_seed,
+                formatter=fmt,
+                rollout=rcfg,
+                max_concurrency=concurrency,
+            )
+            p = m["eval/hanoi/success_rate"]
+            out[h] = {
+                "success_rate": p,
+                "success_se": math.sqrt(p * (1 - p) / num_tasks),
+                "mean_progress": m.get("eval/hanoi/mean_progress", float("nan")),
+                "mean_turns": m["eval/hanoi/mean_turns"],
+                "num_tasks": float(num_tasks),
+                "num_errors": m["eval/num_errors"],
+                "wall_s": time.perf_counter() - t0,
+            }
+            print(f"[eval]   H={h}: {out[h]}", flush=True)
+    finally:
+        engine.stop()
+    return out
+
+
+def render(results: dict[str, dict[int, dict[str, float]]], horizons: list[int]) -> str:
+    head = "| policy | " + " | ".join(f"H={h}: success | H={h}: progress" for h in horizons)
+    lines = [head + " |", "|---" + "|---:" * (2 * len(horizons)) + "|"]
+    for name, res in results.items():
+        cells = []
+        for h in horizons:
+            r = res[h]
+            cells.append(f"{r['success_rate']:.3f} ± {r['success_se']:.3f}")
+            cells.append(f"{r['mean_progress']:.3f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(results, horizons, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for name, res in results.items():
+        axes[0].errorbar(
+            horizons,
+            [res[h]["success_rate"] for h in horizons],
+            yerr=[res[h]["success_se"] for h in horizons],
+            marker="o",
+            capsize=3,
+            label=name,
+        )
+        axes[1].plot(horizons, [res[h]["mean_progress"] for h in horizons], marker="o", label=name)
+    axes[0].set(xlabel="horizon H (optimal moves)", ylabel="held-out success rate", xscale="log")
+    axes[1].set(xlabel="horizon H (optimal moves)", ylabel="mean progress", xscale="log")
+    for ax in axes:
+        ax.set_xticks(horizons, [str(h) for h in horizons])
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="examples/configs/bench_long_horizon.yaml")
+    ap.add_argument(
+        "--bench-dir",
+        default="runs/bench_long_horizon",
+        help="where bench_sao_vs_grpo.py put sao_r0/ and grpo_r0/",
+    )
+    ap.add_argument(
+        "--policy",
+        action="append",
+        default=[],
+        metavar="NAME=HF_DIR",
+        help="evaluate these instead of the bench-dir's SFT/SAO/GRPO policies",
+    )
+    ap.add_argument("--horizons", type=int, nargs="+", default=[50, 200, 500])
+    ap.add_argument("--num-tasks", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--write", action="store_true", help="update docs/BENCHMARKS.md")
+    ap.add_argument("override", nargs="*", help="section.field=value overrides of the config")
+    args = ap.parse_args(argv)
+
+    from sao_megatron.configs import load_config
+    from sao_megatron.trainer.job import JobConfig
+
+    job = load_config(JobConfig, str(REPO / args.config), args.override)
+    bench = (REPO / args.bench_dir).resolve()
+    policies = dict(p.split("=", 1) for p in args.policy) or {
+        "SFT (RL start)": str(bench / "sao_r0" / "hf_policy"),
+        "SAO": str(bench / "sao_r0" / "hf_policy_final"),
+        "GRPO": str(bench / "grpo_r0" / "hf_policy_final"),
+    }
+    out_dir = bench / "eval_horizon"
+    results: dict[str, dict[int, dict[str, float]]] = {}
+    for i, (name, path) in enumerate(policies.items()):
+        hf = Path(path)
+        if not (hf / "config.json").exists():
+            ap.error(f"--policy {name}={path}: no Hugging Face folder (config.json) there")
+        print(f"[eval] {name}: {hf}", flush=True)
+        results[name] = evaluate_policy(
+            hf, job, args.horizons, args.num_tasks, out_dir / f"engine{i}", args.concurrency
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    table = render(results, args.horizons)
+    print(table)
+    png = out_dir / "success_by_horizon.png"
+    plot(results, args.horizons, png, f"Held-out Hanoi by horizon ({args.num_tasks} tasks each)")
+    if args.write:
+        info = benchlib.machine_info()
+        img = REPO / "docs" / "img" / "eval_horizon.png"
+        img.write_bytes(png.read_bytes())
+        cmd = (
+            f"python tools/eval_horizon.py --bench-dir {args.bench_dir} --config {args.config} "
+            f"--horizons {' '.join(map(str, args.horizons))} --num-tasks {args.num_tasks} --write"
+        )
+        wall = sum(r["wall_s"] for res in results.values() for r in res.values())
+        body = (
+            f"Command:\n\n    {cmd}\n\n{benchlib.machine_line(info)} Evaluation wall time "
+            f"{wall:.0f} s.\n\nSuccess rate ± binomial standard error, and mean progress, over "
+            f"{args.num_tasks} held-out tasks per horizon (same tasks for every policy).\n\n"
+            f"{table}\n\n![success by horizon](img/eval_horizon.png)\n\n<!-- reading -->\n"
+        )
+        benchlib.write_section("Success by horizon", body)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
