@@ -58,7 +58,9 @@ FLOP conventions (counted exactly, per processed token position, by `forward_flo
   value phase = (K + 2) value forwards + K value backwards (no-grad forward for V_old, K
   updates, no-grad forward for the fresh values); policy phase = 1 policy forward + backward
   (SAO uses the rollout's behaviour log-probs, no extra "old" forward).
-  tests/tools/test_bench_mfu.py checks these counts against ``torch.utils.flop_counter``.
+  Not counted either: the advantage scan's small matmuls (GAE, a few kFLOPs per step).
+  tests/tools/test_bench_mfu.py checks every count here against ``torch.utils.flop_counter``
+  on the real models and on whole ``RLStep.train_step``/``value_step`` calls.
 
 Reproduce (the command in docs/BENCHMARKS.md; about 2-3 minutes on an idle 2-core CPU; 16 rows
 = rollout.trajectories_per_batch and micro-batch 8 = rl.micro_batch_size of the quickstart;
