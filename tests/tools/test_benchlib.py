@@ -1,0 +1,106 @@
+"""tools/benchlib.py (run summaries, spread, docs sections) and tools/eval_horizon.py's task
+construction, on synthetic run folders (no jobs are started here)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import benchlib  # noqa: E402
+import eval_horizon  # noqa: E402
+
+from sao_megatron.envs import make_env  # noqa: E402
+from sao_megatron.envs.base import EnvSpec  # noqa: E402
+from sao_megatron.trainer.job import JobConfig, TasksConfig  # noqa: E402
+
+
+def _fake_run(tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    (run / "rl").mkdir(parents=True)
+    recs = []
+    for i in range(4):
+        recs.append(
+            {
+                "step": i + 1,
+                "time/rl_elapsed_s": 10.0 * (i + 1),
+                "time/rollout": 1.0,
+                "time/train": 6.0,
+                "time/sync": 0.5,
+                "throughput/train_tokens_per_s": 100.0 * (i + 1),
+                "batch/num_trajectories": 8.0,
+                "memory/peak_rss_gib": [1.0, 1.5, 1.2, 1.1][i],
+                "deviation/abs_one_minus_ratio_mean": 0.01 * (i + 1),
+                "deviation/version_lag_mean": 1.0,
+                "rollout/worker_utilization": 0.5 + 0.1 * i,
+                "reward/mean": 0.1 * i,
+            }
+        )
+    (run / "rl" / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    summary = {"before/eval/success_rate": 0.25, "after/eval/success_rate": 0.5}
+    (run / "summary.json").write_text(json.dumps(summary))
+    return run
+
+
+def test_run_figures_from_metrics(tmp_path):
+    f = benchlib.run_figures(_fake_run(tmp_path), "x")
+    assert f.steps == 4 and f.wall_s == 40.0
+    assert f.trajectories_per_s == pytest.approx(32 / 40)
+    # tokens = sum(rate * time/train) = 6 * (100 + 200 + 300 + 400); over 24 s of training
+    assert f.train_tokens_per_s == pytest.approx(6000 / 24)
+    assert f.peak_rss_gib == 1.5
+    assert f.time_split == pytest.approx(
+        {"rollout wait": 0.1, "train": 0.6, "sync": 0.05, "checkpoint": 0.0, "other": 0.25}
+    )
+    assert f.abs_one_minus_ratio == pytest.approx(0.025)
+    assert f.worker_utilization == pytest.approx(0.8)
+    assert f.before == {"eval/success_rate": 0.25} and f.after == {"eval/success_rate": 0.5}
+    assert f.curve[-1] == (40.0, pytest.approx(0.3))
+
+
+def test_spread_and_smooth():
+    assert benchlib.spread([3.0, 1.0, 2.0]) == "2 [1, 3]"
+    assert benchlib.spread([0.5], "{:.2f}") == "0.50"
+    assert benchlib.spread([None, float("nan")]) == "-"
+    xs, ys = benchlib.smooth([(1, 1.0), (2, 3.0), (3, 5.0)], window=2)
+    assert xs == [1, 2, 3] and ys == [1.0, 2.0, 4.0]
+
+
+def test_write_section_replaces_only_its_own_section(tmp_path):
+    doc = tmp_path / "B.md"
+    doc.write_text("# Benchmarks\n\n## A\n\nold a\n\n## B\n\nold b\n")
+    benchlib.write_section("A", "new a", doc)
+    benchlib.write_section("C", "new c", doc)
+    text = doc.read_text()
+    assert "old a" not in text and "new a" in text and "old b" in text
+    assert text.index("## A") < text.index("## B") < text.index("## C")
+
+
+def test_cached_run_of_another_job_is_refused(tmp_path):
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "summary.json").write_text("{}")
+    (run / "bench_job.json").write_text(json.dumps({"config": "c.yaml", "overrides": ["a=1"]}))
+    assert benchlib.run_job("c.yaml", ["a=1"], run) == run  # same job: reused, not re-run
+    with pytest.raises(RuntimeError, match="another job"):
+        benchlib.run_job("c.yaml", ["a=2"], run)
+
+
+@pytest.mark.parametrize(("horizon", "disks"), [(50, {6, 7, 8, 9, 10}), (500, {9, 10})])
+def test_eval_tasks_use_disk_counts_seen_in_training(horizon, disks):
+    job = JobConfig(
+        tasks=TasksConfig(train=[EnvSpec(name="hanoi", options={"horizon": 50, "extra_disks": 4})])
+    )
+    spec = eval_horizon.eval_env_spec(job, horizon)
+    assert spec.options["horizon"] == horizon and spec.options["max_steps_factor"] == 1.0
+    seen = set()
+    for seed in range(200):
+        env = make_env("hanoi", **spec.options)
+        env.reset(seed)
+        seen.add(env.num_disks)
+    assert seen == disks
