@@ -76,6 +76,7 @@ def main(argv=None) -> int:
     job = load_config(JobConfig, str(REPO / args.config), args.override)
     train_h = next(e for e in job.tasks.train if e.name == "hanoi").options.get("horizon", 50)
     out = (REPO / args.out).resolve()
+    start_info = benchlib.machine_info()
     sft = shared_sft(args.config, args.override, out / "sft")
     rows, curves = [], {}
     for name, extra in VARIANTS.items():
@@ -130,7 +131,7 @@ def main(argv=None) -> int:
     plot(curves, png, f"SAO ablations, {args.config}, budget {args.budget_s:g} s")
     (out / "ablations.md").write_text(table)
     if args.write:
-        info = benchlib.machine_info()
+        info = benchlib.measured_machine_info(out, start_info)
         (REPO / "docs" / "img" / "bench_ablations.png").write_bytes(png.read_bytes())
         cmd = f"python tools/bench_ablations.py --budget-s {args.budget_s:g} --write"
         body = (

@@ -62,6 +62,7 @@ def main(argv=None) -> int:
     base = load_config(JobConfig, str(REPO / args.config), args.override)
     has_vp = base.value_pretrain.steps > 0
     out = (REPO / args.out).resolve()
+    start_info = benchlib.machine_info()
     sft = shared_sft(args.config, args.override, out / "sft")
     runs: dict[str, list[RunFigures]] = {"sao": [], "grpo": []}
     for r in range(args.repeats):
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
             run_job(args.config, ov + algo_overrides(algo, args.group_size, has_vp), run_dir)
             runs[algo].append(run_figures(run_dir, f"{algo} r{r}"))
 
-    info = benchlib.machine_info()
+    info = benchlib.measured_machine_info(out, start_info)
     table = render_table(runs, args)
     plot = out / "sao_vs_grpo.png"
     plot_curves(runs, plot, args)
@@ -116,12 +117,20 @@ def render_table(runs: dict[str, list[RunFigures]], args) -> str:
     ]
     if any(f.peak_gpu_gib is not None for fs in runs.values() for f in fs):
         lines.append(row("peak CUDA allocated per update (GiB)", lambda f: f.peak_gpu_gib))
-    for part in ("rollout wait", "train", "sync", "other"):
-        lines.append(row(f"time: {part} (fraction)", lambda f, p=part: f.time_split[p], "{:.2f}"))
+    labels = {
+        "rollout wait": "trainer idle, waiting for rollout",
+        "train": "train (value + policy updates)",
+        "sync": "weight sync",
+        "other": "other (value pre-training, logging)",
+    }
+    for part, label in labels.items():
+        lines.append(
+            row(f"wall-clock fraction: {label}", lambda f, p=part: f.time_split[p], "{:.2f}")
+        )
     lines += [
         row("mean abs(1 - r) over action tokens", lambda f: f.abs_one_minus_ratio, "{:.2e}"),
         row("policy-version lag (mean)", lambda f: f.version_lag, "{:.2f}"),
-        row("rollout worker utilisation", lambda f: f.worker_utilization, "{:.2f}"),
+        row("rollout engine busy fraction", lambda f: f.worker_utilization, "{:.2f}"),
     ]
     for k in eval_keys:
         lines.append(row(f"held-out {k} before RL", lambda f, k=k: f.before.get(k), "{:.3f}"))

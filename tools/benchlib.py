@@ -60,12 +60,32 @@ def machine_info() -> dict[str, str]:
     return info
 
 
+JOBS_RUN = 0  # jobs this process actually ran (0: every run was reused from disk)
+
+
+def measured_machine_info(out: Path, start: dict[str, str]) -> dict[str, str]:
+    """Machine facts of the measurement: `start` (taken before the first job) completed with the
+    load average at the end, saved as out/machine.json; when this invocation reran nothing
+    (every run reused), the saved facts of the original measurement are returned instead."""
+    path = out / "machine.json"
+    if JOBS_RUN == 0 and path.exists():
+        return json.loads(path.read_text())
+    info = dict(start)
+    info["loadavg_1min_end"] = f"{os.getloadavg()[0]:.1f}"
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(info, indent=1))
+    return info
+
+
 def machine_line(info: dict[str, str]) -> str:
     gpu = f", GPU {info['gpu']}" if "gpu" in info else ", no GPU"
+    load = f"1-minute load average {info['loadavg_1min']} before"
+    if "loadavg_1min_end" in info:
+        load += f" and {info['loadavg_1min_end']} at the end (vLLM's CPU threads count in it)"
+    cpu = info["cpu"]
     return (
-        f'Machine: `nproc` = {info["nproc"]}, CPU "{info["cpu"]}"{gpu}, torch {info["torch"]}, '
-        f"1-minute load average {info['loadavg_1min']} at the end. Date: {info['date_utc']} UTC. "
-        f"Commit: {info['commit']}."
+        f"Machine: `nproc` = {info['nproc']}, CPU '{cpu}'{gpu}, torch {info['torch']}, "
+        f"{load}. Date: {info['date_utc']} UTC. Commit: {info['commit']}."
     )
 
 
@@ -98,6 +118,8 @@ def run_job(config: str, overrides: list[str], run_dir: Path, *, force: bool = F
         print(f"[bench] reusing {run_dir} (delete it to re-measure)", flush=True)
         return run_dir
     spec_file.write_text(json.dumps(spec, indent=1))
+    global JOBS_RUN
+    JOBS_RUN += 1
     cmd = [sys.executable, "-m", "sao_megatron.cli.train", config, f"run_dir={run_dir}"]
     cmd += overrides
     print("[bench] " + " ".join(cmd), flush=True)
