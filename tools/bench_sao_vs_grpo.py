@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 import benchlib
@@ -106,7 +107,7 @@ def render_table(runs: dict[str, list[RunFigures]], args) -> str:
         return f"| {label} | {cells[0]} | {cells[1]} |"
 
     first = next(iter(runs["sao"] or runs["grpo"]))
-    eval_keys = sorted(k for k in first.after if k.endswith(("success_rate", "mean_progress")))
+    envs = sorted({k.split("/")[1] for k in first.after if k.count("/") == 2})
     lines = [
         "| metric | SAO | GRPO |",
         "|---|---|---|",
@@ -132,9 +133,28 @@ def render_table(runs: dict[str, list[RunFigures]], args) -> str:
         row("policy-version lag (mean)", lambda f: f.version_lag, "{:.2f}"),
         row("rollout engine busy fraction", lambda f: f.worker_utilization, "{:.2f}"),
     ]
-    for k in eval_keys:
-        lines.append(row(f"held-out {k} before RL", lambda f, k=k: f.before.get(k), "{:.3f}"))
-        lines.append(row(f"held-out {k} after RL", lambda f, k=k: f.after.get(k), "{:.3f}"))
+    for env in envs:
+        for stat in ("success_rate", "mean_progress"):
+            k = f"eval/{env}/{stat}"
+            if k not in first.after:
+                continue
+            label = f"held-out {env} {stat.replace('_', ' ')}"
+            lines.append(row(f"{label} before RL", lambda f, k=k: f.before.get(k), "{:.3f}"))
+            lines.append(row(f"{label} after RL", lambda f, k=k: f.after.get(k), "{:.3f}"))
+        cells = []
+        for a in ("sao", "grpo"):
+            n = sum(f.after.get(f"eval/{env}/num_tasks", 0.0) for f in runs[a])
+            solved = sum(
+                f.after.get(f"eval/{env}/success_rate", 0.0)
+                * f.after.get(f"eval/{env}/num_tasks", 0.0)
+                for f in runs[a]
+            )
+            p = solved / n if n else float("nan")
+            se = math.sqrt(p * (1 - p) / n) if n else float("nan")
+            cells.append(f"{p:.3f} ± {se:.3f} ({solved:.0f}/{n:.0f})")
+        lines.append(
+            f"| held-out {env} success after RL, pooled over repeats | {cells[0]} | {cells[1]} |"
+        )
     return "\n".join(lines)
 
 

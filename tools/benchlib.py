@@ -258,11 +258,21 @@ def smooth(points: list[tuple[float, float]], window: int = 5) -> tuple[list[flo
 
 
 # ---------------------------------------------------------------------------- docs
+READING = "<!-- reading -->"
+
+
 def write_section(heading: str, body: str, doc: Path = DOC) -> None:
-    """Replace (or append) the ``## heading`` section of docs/BENCHMARKS.md with `body`."""
+    """Replace (or append) the ``## heading`` section of docs/BENCHMARKS.md with `body`.
+
+    A body ending in the READING marker keeps the text that followed the marker in the old
+    section (the hand-written reading of the figures)."""
     text = doc.read_text() if doc.exists() else "# Benchmarks\n"
     pattern = re.compile(rf"^## {re.escape(heading)}\n.*?(?=^## |\Z)", re.S | re.M)
     block = f"## {heading}\n\n{body.strip()}\n\n"
+    old = pattern.search(text)
+    if old and READING in old.group(0) and block.rstrip().endswith(READING):
+        # keep the hand-written reading of the figures (re-read it after re-measuring)
+        block = block.rstrip() + old.group(0).split(READING, 1)[1].rstrip() + "\n\n"
     text = (
         pattern.sub(lambda _: block, text)
         if pattern.search(text)

@@ -104,3 +104,15 @@ def test_eval_tasks_use_disk_counts_seen_in_training(horizon, disks):
         env.reset(seed)
         seen.add(env.num_disks)
     assert seen == disks
+
+
+def test_write_section_keeps_the_hand_written_reading(tmp_path):
+    doc = tmp_path / "B.md"
+    benchlib.write_section("A", f"table 1\n\n{benchlib.READING}\n", doc)
+    doc.write_text(doc.read_text().rstrip() + "\nSAO is slower here.\n\n## Z\n\nz\n")
+    benchlib.write_section("A", f"table 2\n\n{benchlib.READING}\n", doc)
+    text = doc.read_text()
+    assert "table 1" not in text and "table 2" in text
+    assert text.count("SAO is slower here.") == 1 and text.index("SAO is slower") < text.index(
+        "## Z"
+    )
