@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
     )
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # flags may sit between config and overrides
 
     from sao_megatron.configs import load_config, to_yaml
     from sao_megatron.trainer.job import JobConfig
