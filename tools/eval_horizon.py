@@ -55,13 +55,28 @@ def eval_env_spec(job, horizon: int):
 
 
 def evaluate_policy(
-    hf_dir: Path, job, horizons: list[int], num_tasks: int, work: Path, concurrency: int = 32
-) -> dict[int, dict[str, float]]:
+    hf_dir: Path,
+    job,
+    horizons: list[int],
+    num_tasks: int,
+    work: Path,
+    concurrency: int = 32,
+    temperatures: list[float] | None = None,
+) -> dict:
     """Serve `hf_dir` on one local vLLM engine and evaluate the Hanoi task at each horizon.
 
-    Returns {horizon: {"success_rate", "success_se", "mean_progress", "mean_turns",
-    "num_tasks", "wall_s"}}.
+    With `temperatures` None: {horizon: {"success_rate", "success_se", "mean_progress",
+    "mean_turns", "num_tasks", "num_errors", "wall_s"}} at the job's sampling temperature;
+    otherwise {temperature: {horizon: {...}}} for each temperature (> 0: the engine samples).
     """
+    if temperatures is not None:
+        return _evaluate_many(hf_dir, job, horizons, num_tasks, work, concurrency, temperatures)
+    return _evaluate_many(
+        hf_dir, job, horizons, num_tasks, work, concurrency, [job.rollout.temperature]
+    )[job.rollout.temperature]
+
+
+def _evaluate_many(hf_dir, job, horizons, num_tasks, work, concurrency, temperatures):
     from sao_megatron.data.episode import EpisodeFormatter
     from sao_megatron.data.tokenizer import load_tokenizer
     from sao_megatron.rollout.engine import EngineProcess
@@ -74,32 +89,34 @@ def evaluate_policy(
     )
     engine = EngineProcess(rcfg, 0)
     engine.start()
-    out: dict[int, dict[str, float]] = {}
+    out: dict[float, dict[int, dict[str, float]]] = {}
     try:
         engine.wait_ready()
-        for h in horizons:
-            spec = eval_env_spec(job, h)
-            t0 = time.perf_counter()
-            m = evaluate(
-                [engine.url],
-                [spec],
-                num_tasks=num_tasks,
-                base_seed=job.tasks.eval_seed,
-                formatter=fmt,
-                rollout=rcfg,
-                max_concurrency=concurrency,
-            )
-            p = m["eval/hanoi/success_rate"]
-            out[h] = {
-                "success_rate": p,
-                "success_se": math.sqrt(p * (1 - p) / num_tasks),
-                "mean_progress": m.get("eval/hanoi/mean_progress", float("nan")),
-                "mean_turns": m["eval/hanoi/mean_turns"],
-                "num_tasks": float(num_tasks),
-                "num_errors": m["eval/num_errors"],
-                "wall_s": time.perf_counter() - t0,
-            }
-            print(f"[eval]   H={h}: {out[h]}", flush=True)
+        for temp in temperatures:
+            cfg_t = dataclasses.replace(rcfg, temperature=float(temp))
+            out[temp] = {}
+            for h in horizons:
+                t0 = time.perf_counter()
+                m = evaluate(
+                    [engine.url],
+                    [eval_env_spec(job, h)],
+                    num_tasks=num_tasks,
+                    base_seed=job.tasks.eval_seed,
+                    formatter=fmt,
+                    rollout=cfg_t,
+                    max_concurrency=concurrency,
+                )
+                p = m["eval/hanoi/success_rate"]
+                out[temp][h] = {
+                    "success_rate": p,
+                    "success_se": math.sqrt(p * (1 - p) / num_tasks),
+                    "mean_progress": m.get("eval/hanoi/mean_progress", float("nan")),
+                    "mean_turns": m["eval/hanoi/mean_turns"],
+                    "num_tasks": float(num_tasks),
+                    "num_errors": m["eval/num_errors"],
+                    "wall_s": time.perf_counter() - t0,
+                }
+                print(f"[eval]   T={temp:g} H={h}: {out[temp][h]}", flush=True)
     finally:
         engine.stop()
     return out
@@ -165,6 +182,12 @@ def main(argv=None) -> int:
     ap.add_argument("--horizons", type=int, nargs="+", default=[50, 200, 500])
     ap.add_argument("--num-tasks", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument(
+        "--temperatures",
+        type=float,
+        nargs="+",
+        help="sampling temperatures to evaluate at (default: the config's rollout.temperature)",
+    )
     ap.add_argument("--write", action="store_true", help="update docs/BENCHMARKS.md")
     ap.add_argument("override", nargs="*", help="section.field=value overrides of the config")
     args = ap.parse_args(argv)
@@ -186,9 +209,12 @@ def main(argv=None) -> int:
         if not (hf / "config.json").exists():
             ap.error(f"--policy {name}={path}: no Hugging Face folder (config.json) there")
         print(f"[eval] {name}: {hf}", flush=True)
-        results[name] = evaluate_policy(
-            hf, job, args.horizons, args.num_tasks, out_dir / f"engine{i}", args.concurrency
+        temps = args.temperatures or [job.rollout.temperature]
+        by_t = evaluate_policy(
+            hf, job, args.horizons, args.num_tasks, out_dir / f"engine{i}", args.concurrency, temps
         )
+        for t, res in by_t.items():
+            results[name if len(temps) == 1 else f"{name}, T={t:g}"] = res
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     table = render(results, args.horizons)
@@ -199,9 +225,11 @@ def main(argv=None) -> int:
         info = benchlib.machine_info()
         img = REPO / "docs" / "img" / "eval_horizon.png"
         img.write_bytes(png.read_bytes())
+        temps = f" --temperatures {' '.join(f'{t:g}' for t in args.temperatures)}"
         cmd = (
             f"python tools/eval_horizon.py --bench-dir {args.bench_dir} --config {args.config} "
-            f"--horizons {' '.join(map(str, args.horizons))} --num-tasks {args.num_tasks} --write"
+            f"--horizons {' '.join(map(str, args.horizons))} --num-tasks {args.num_tasks}"
+            f"{temps if args.temperatures else ''} --write"
         )
         wall = sum(r["wall_s"] for res in results.values() for r in res.values())
         body = (
