@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     plot(curves, png, f"SAO ablations, {args.config}, budget {args.budget_s:g} s")
     (out / "ablations.md").write_text(table)
     if args.write:
-        info = benchlib.measured_machine_info(out, start_info)
+        info = benchlib.measured_machine_info(out, start_info, "ablations")
         (REPO / "docs" / "img" / "bench_ablations.png").write_bytes(png.read_bytes())
         cmd = f"python tools/bench_ablations.py --budget-s {args.budget_s:g} --write"
         body = (

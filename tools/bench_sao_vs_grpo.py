@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from pathlib import Path
 
 import benchlib
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
             run_job(args.config, ov + algo_overrides(algo, args.group_size, has_vp), run_dir)
             runs[algo].append(run_figures(run_dir, f"{algo} r{r}"))
 
-    info = benchlib.measured_machine_info(out, start_info)
+    info = benchlib.measured_machine_info(out, start_info, "sao_vs_grpo")
     table = render_table(runs, args)
     plot = out / "sao_vs_grpo.png"
     plot_curves(runs, plot, args)
@@ -84,18 +85,22 @@ def main(argv=None) -> int:
         json.dumps({a: [f.__dict__ for f in fs] for a, fs in runs.items()}, indent=1)
     )
     if args.write:
-        img = REPO / "docs" / "img" / "bench_sao_vs_grpo.png"
+        slug = re.sub(r"[^a-z0-9]+", "_", args.section.lower()).strip("_")
+        img = REPO / "docs" / "img" / f"bench_{slug}.png"
         img.write_bytes(plot.read_bytes())
-        cmd = "python tools/bench_sao_vs_grpo.py " + " ".join(
-            [f"--repeats {args.repeats}", f"--budget-s {args.budget_s:g}", "--write"]
-            + ([f"--config {args.config}"] if args.config != ap.get_default("config") else [])
-            + args.override
-        )
+        flags = [f"--repeats {args.repeats}", f"--budget-s {args.budget_s:g}"]
+        for name in ("config", "group_size", "num_eval_tasks", "out", "section"):
+            value = getattr(args, name)
+            if value != ap.get_default(name):
+                text = f'"{value}"' if " " in str(value) else str(value)
+                flags.append(f"--{name.replace('_', '-')} {text}")
+        cmd = " ".join(["python tools/bench_sao_vs_grpo.py", *flags, "--write", *args.override])
         body = (
             f"Command:\n\n    {cmd}\n\n{benchlib.machine_line(info)}\n\n"
             f"Config `{args.config}`; GRPO G={args.group_size}; budget {args.budget_s:g} s of "
-            f"wall-clock per run; {args.repeats} repeats (median [min, max]).\n\n{table}\n\n"
-            f"![reward vs wall-clock](img/bench_sao_vs_grpo.png)\n\n<!-- reading -->\n"
+            f"wall-clock per run; {args.repeats} repeat{'s' if args.repeats > 1 else ''}"
+            f"{' (median [min, max])' if args.repeats > 1 else ''}.\n\n{table}\n\n"
+            f"![reward vs wall-clock](img/{img.name})\n\n{benchlib.READING}\n"
         )
         benchlib.write_section(args.section, body)
     return 0
@@ -158,6 +163,11 @@ def render_table(runs: dict[str, list[RunFigures]], args) -> str:
     return "\n".join(lines)
 
 
+def _repeats(runs) -> str:
+    n = len(next(iter(runs.values())))
+    return f"{n} repeats each" if n > 1 else "one run each"
+
+
 def plot_curves(runs: dict[str, list[RunFigures]], path: Path, args) -> None:
     import matplotlib
 
@@ -180,7 +190,7 @@ def plot_curves(runs: dict[str, list[RunFigures]], path: Path, args) -> None:
     axes[0].set(
         xlabel="wall-clock since RL start (s)",
         ylabel="batch reward (5-step mean)",
-        title=f"Reward vs wall-clock ({len(next(iter(runs.values())))} repeats each)",
+        title=f"Reward vs wall-clock ({_repeats(runs)})",
     )
     axes[1].set(
         xlabel="wall-clock since RL start (s)",

@@ -63,11 +63,11 @@ def machine_info() -> dict[str, str]:
 JOBS_RUN = 0  # jobs this process actually ran (0: every run was reused from disk)
 
 
-def measured_machine_info(out: Path, start: dict[str, str]) -> dict[str, str]:
+def measured_machine_info(out: Path, start: dict[str, str], name: str) -> dict[str, str]:
     """Machine facts of the measurement: `start` (taken before the first job) completed with the
-    load average at the end, saved as out/machine.json; when this invocation reran nothing
+    load average at the end, saved as out/machine_<name>.json; when this invocation reran nothing
     (every run reused), the saved facts of the original measurement are returned instead."""
-    path = out / "machine.json"
+    path = out / f"machine_{name}.json"
     if JOBS_RUN == 0 and path.exists():
         return json.loads(path.read_text())
     info = dict(start)
