@@ -104,7 +104,8 @@ def main(argv=None) -> int:
             ev_file.write_text(json.dumps(ev))
         e = ev[train_h]
         rows.append(
-            "| {} | {} | {:.3f} | {:.3f} | {:.2e} | {:.2f} | {:.3f} ± {:.3f} | {:.3f} |".format(
+            "| {} | {} | {:.3f} | {:.3f} | {:.2e} | {:.2f} | {:.3f} ± {:.3f} | {:.2f} ± {:.2f} "
+            "| {:.2f} |".format(
                 name,
                 fig.steps,
                 _mean(r["reward/mean"] for r in recs[:5]),
@@ -113,7 +114,9 @@ def main(argv=None) -> int:
                 _mean(r.get("value/explained_variance") for r in recs[-5:]),
                 e["success_rate"],
                 e["success_se"],
-                e["mean_progress"],
+                e["mean_progress"] * train_h,
+                e.get("progress_se", float("nan")) * train_h,
+                e["mean_turns"],
             )
         )
         curves[name] = fig.curve
@@ -121,8 +124,8 @@ def main(argv=None) -> int:
         [
             "| variant | policy updates | batch reward, first 5 steps | batch reward, last 5 "
             f"steps | mean abs(1 - r) | critic explained variance (last 5) | held-out H={train_h} "
-            "success | held-out progress |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            "success | held-out net optimal moves | held-out moves played |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
             *rows,
         ]
     )

@@ -111,6 +111,7 @@ def _evaluate_many(hf_dir, job, horizons, num_tasks, work, concurrency, temperat
                     "success_rate": p,
                     "success_se": math.sqrt(p * (1 - p) / num_tasks),
                     "mean_progress": m.get("eval/hanoi/mean_progress", float("nan")),
+                    "progress_se": m.get("eval/hanoi/progress_se", float("nan")),
                     "mean_turns": m["eval/hanoi/mean_turns"],
                     "num_tasks": float(num_tasks),
                     "num_errors": m["eval/num_errors"],
@@ -123,14 +124,19 @@ def _evaluate_many(hf_dir, job, horizons, num_tasks, work, concurrency, temperat
 
 
 def render(results: dict[str, dict[int, dict[str, float]]], horizons: list[int]) -> str:
-    head = "| policy | " + " | ".join(f"H={h}: success | H={h}: progress" for h in horizons)
-    lines = [head + " |", "|---" + "|---:" * (2 * len(horizons)) + "|"]
+    """One row per policy; per horizon: success ± SE, net optimal moves made (progress x H:
+    optimal distance removed when the episode ended) and mean moves played."""
+    head = "| policy | " + " | ".join(
+        f"H={h} success | H={h} net moves | H={h} moves played" for h in horizons
+    )
+    lines = [head + " |", "|---" + "|---:" * (3 * len(horizons)) + "|"]
     for name, res in results.items():
         cells = []
         for h in horizons:
             r = res[h]
             cells.append(f"{r['success_rate']:.3f} ± {r['success_se']:.3f}")
-            cells.append(f"{r['mean_progress']:.3f}")
+            cells.append(f"{r['mean_progress'] * h:.2f} ± {r.get('progress_se', 0.0) * h:.2f}")
+            cells.append(f"{r['mean_turns']:.2f}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -151,13 +157,19 @@ def plot(results, horizons, path: Path, title: str) -> None:
             capsize=3,
             label=name,
         )
-        axes[1].plot(horizons, [res[h]["mean_progress"] for h in horizons], marker="o", label=name)
+        axes[1].plot(
+            horizons, [res[h]["mean_progress"] * h for h in horizons], marker="o", label=name
+        )
     axes[0].set(xlabel="horizon H (optimal moves)", ylabel="held-out success rate", xscale="log")
-    axes[1].set(xlabel="horizon H (optimal moves)", ylabel="mean progress", xscale="log")
+    axes[1].set(
+        xlabel="horizon H (optimal moves)",
+        ylabel="net optimal moves made (progress x H)",
+        xscale="log",
+    )
     for ax in axes:
         ax.set_xticks(horizons, [str(h) for h in horizons])
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -225,7 +237,7 @@ def main(argv=None) -> int:
         info = benchlib.machine_info()
         img = REPO / "docs" / "img" / "eval_horizon.png"
         img.write_bytes(png.read_bytes())
-        temps = f" --temperatures {' '.join(f'{t:g}' for t in args.temperatures)}"
+        temps = " --temperatures " + " ".join(f"{t:g}" for t in args.temperatures or [])
         cmd = (
             f"python tools/eval_horizon.py --bench-dir {args.bench_dir} --config {args.config} "
             f"--horizons {' '.join(map(str, args.horizons))} --num-tasks {args.num_tasks}"
@@ -234,8 +246,10 @@ def main(argv=None) -> int:
         wall = sum(r["wall_s"] for res in results.values() for r in res.values())
         body = (
             f"Command:\n\n    {cmd}\n\n{benchlib.machine_line(info)} Evaluation wall time "
-            f"{wall:.0f} s.\n\nSuccess rate ± binomial standard error, and mean progress, over "
-            f"{args.num_tasks} held-out tasks per horizon (same tasks for every policy).\n\n"
+            f"{wall:.0f} s.\n\nSuccess rate ± binomial standard error, net optimal moves made "
+            "(initial optimal distance minus the distance when the episode ended; a move away "
+            "from the goal counts -1) and moves played, means over "
+            f"{args.num_tasks} held-out tasks per horizon (the same tasks for every policy).\n\n"
             f"{table}\n\n![success by horizon](img/eval_horizon.png)\n\n<!-- reading -->\n"
         )
         benchlib.write_section("Success by horizon", body)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import random
 
 from sao_megatron.data.episode import EpisodeFormatter
@@ -42,8 +43,9 @@ def evaluate(
 
     Returns {"eval/<env>/success_rate", "eval/<env>/mean_reward", "eval/<env>/mean_turns",
     "eval/success_rate" (mean over envs), "eval/num_errors"}, plus "eval/<env>/mean_progress"
-    for environments whose episode info reports "progress" (Hanoi: fraction of the initial
-    optimal distance removed; failed episodes count 0). Episodes are spread round-robin
+    and its standard error "eval/<env>/progress_se" for environments whose episode info
+    reports "progress" (Hanoi: fraction of the initial optimal distance removed; episodes that
+    failed with an error count 0). Episodes are spread round-robin
     over the engines; an episode that fails (EpisodeError) counts as unsolved and is counted in
     num_errors.
     """
@@ -108,7 +110,11 @@ def _summarise(results, names, threshold) -> dict[str, float]:
         turns = [len(t.nodes) for t in trajs if t is not None]
         progress = [t.info["progress"] for t in trajs if t is not None and "progress" in t.info]
         if progress:  # environments that report partial progress (Hanoi)
-            out[f"eval/{name}/mean_progress"] = sum(progress) / len(trajs)
+            full = progress + [0.0] * (len(trajs) - len(progress))  # failed episodes: 0
+            mean = sum(full) / len(full)
+            out[f"eval/{name}/mean_progress"] = mean
+            var = sum((x - mean) ** 2 for x in full) / max(len(full) - 1, 1)
+            out[f"eval/{name}/progress_se"] = math.sqrt(var / len(full))
         rate = sum(solved) / max(len(trajs), 1)
         rates.append(rate)
         out[f"eval/{name}/success_rate"] = rate

@@ -34,6 +34,11 @@ def test_success_comes_from_the_env_flag_and_progress_is_averaged_over_all_tasks
     out = _summarise(results, ["hanoi", "chain_sum"], threshold=1.0)
     assert out["eval/hanoi/success_rate"] == pytest.approx(1 / 3)
     assert out["eval/hanoi/mean_progress"] == pytest.approx((1.0 + 1 / 3) / 3)
+    # standard error of the mean over the 3 tasks (sample std, ddof=1)
+    xs = [1.0, 1 / 3, 0.0]
+    m = sum(xs) / 3
+    se = (sum((x - m) ** 2 for x in xs) / 2 / 3) ** 0.5
+    assert out["eval/hanoi/progress_se"] == pytest.approx(se)
     assert out["eval/hanoi/mean_turns"] == pytest.approx(2.5)
     assert out["eval/chain_sum/success_rate"] == 0.5
     assert "eval/chain_sum/mean_progress" not in out
