@@ -157,8 +157,13 @@ def plot(results, horizons, path: Path, title: str) -> None:
             capsize=3,
             label=name,
         )
-        axes[1].plot(
-            horizons, [res[h]["mean_progress"] * h for h in horizons], marker="o", label=name
+        axes[1].errorbar(
+            horizons,
+            [res[h]["mean_progress"] * h for h in horizons],
+            yerr=[res[h].get("progress_se", 0.0) * h for h in horizons],
+            marker="o",
+            capsize=3,
+            label=name,
         )
     axes[0].set(xlabel="horizon H (optimal moves)", ylabel="held-out success rate", xscale="log")
     axes[1].set(
@@ -167,6 +172,7 @@ def plot(results, horizons, path: Path, title: str) -> None:
         xscale="log",
     )
     for ax in axes:
+        ax.minorticks_off()
         ax.set_xticks(horizons, [str(h) for h in horizons])
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -201,6 +207,11 @@ def main(argv=None) -> int:
         help="sampling temperatures to evaluate at (default: the config's rollout.temperature)",
     )
     ap.add_argument("--write", action="store_true", help="update docs/BENCHMARKS.md")
+    ap.add_argument(
+        "--replot",
+        action="store_true",
+        help="redraw table and plot from <bench-dir>/eval_horizon/results.json (no evaluation)",
+    )
     ap.add_argument("override", nargs="*", help="section.field=value overrides of the config")
     args = ap.parse_args(argv)
 
@@ -216,6 +227,11 @@ def main(argv=None) -> int:
     }
     out_dir = bench / "eval_horizon"
     results: dict[str, dict[int, dict[str, float]]] = {}
+    if args.replot:
+        saved = json.loads((out_dir / "results.json").read_text())
+        results = {n: {int(h): r for h, r in res.items()} for n, res in saved.items()}
+        policies = {}
+        args.num_tasks = int(next(iter(next(iter(results.values())).values()))["num_tasks"])
     for i, (name, path) in enumerate(policies.items()):
         hf = Path(path)
         if not (hf / "config.json").exists():
