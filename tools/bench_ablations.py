@@ -136,7 +136,11 @@ def main(argv=None) -> int:
     if args.write:
         info = benchlib.measured_machine_info(out, start_info, "ablations")
         (REPO / "docs" / "img" / "bench_ablations.png").write_bytes(png.read_bytes())
-        cmd = f"python tools/bench_ablations.py --budget-s {args.budget_s:g} --write"
+        flags = [f"--budget-s {args.budget_s:g}"]
+        for name in ("config", "num_eval_tasks", "out"):
+            if getattr(args, name) != ap.get_default(name):
+                flags.append(f"--{name.replace('_', '-')} {getattr(args, name)}")
+        cmd = " ".join(["python tools/bench_ablations.py", *flags, "--write", *args.override])
         body = (
             f"Command:\n\n    {cmd}\n\n{benchlib.machine_line(info)}\n\nOne run per variant, "
             f"{args.budget_s:g} s wall-clock each from the same SFT checkpoint; held-out success "
