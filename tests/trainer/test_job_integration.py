@@ -97,18 +97,33 @@ def test_sao_job_1rank(tmp_path):
     assert "value/loss_1" in recs[0]  # two value updates per policy update
     assert "sao-train summary" in p.stdout
     assert len(_records(tmp_path / "sao" / "value_pretrain" / "metrics.jsonl")) == 1
+    # outputs a user (and the benchmarks) rely on
+    run = tmp_path / "sao"
+    assert "rl:" in (run / "config.yaml").read_text()
+    assert json.loads((run / "hf_policy_final" / "config.json").read_text())["num_experts"] == 4
+    assert json.loads((run / "summary.json").read_text())["rl/steps_done"] == 3
+    elapsed = [r["time/rl_elapsed_s"] for r in recs]
+    assert elapsed == sorted(elapsed) and elapsed[0] > 0
+    assert all(0.1 < r["memory/peak_rss_gib"] < 16 for r in recs)
 
 
-def test_grpo_job_1rank(tmp_path):
+def test_grpo_job_1rank_stops_at_its_time_budget(tmp_path):
+    """rl.time_budget_s ends the stage after the first step past it (a step takes far more than
+    0.1 s here) and the end-of-budget checkpoint is written although save_interval is 0."""
     _run(
         tmp_path / "grpo",
-        "rl.steps=3",
+        "rl.steps=50",
+        "rl.time_budget_s=0.1",
+        "checkpoint.save_interval=0",
         "algorithm.name=grpo",
         "algorithm.grpo_group_size=2",
         "stages=[sft,rl]",
     )
-    recs = _check_run(tmp_path / "grpo", 3, max_staleness=1)
+    recs = _check_run(tmp_path / "grpo", 1, max_staleness=1)
     assert "loss/value" not in recs[0]
+    latest = (tmp_path / "grpo" / "checkpoints" / "rl" / "latest").read_text().strip()
+    assert latest.endswith("step_00000001")
+    assert json.loads((tmp_path / "grpo" / "summary.json").read_text())["rl/steps_done"] == 1
 
 
 @pytest.mark.distributed
