@@ -76,7 +76,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -386,14 +385,10 @@ def time_trainer(step, batch, steps: int, warmup: int) -> dict[str, list[float]]
 # ------------------------------------------------------------------------------ report
 def machine_info() -> dict[str, str | int | float]:
     """nproc, CPU model, torch version, threads, load average, UTC date, git commit."""
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/, for benchlib
+    from benchlib import cpu_model
+
+    cpu = cpu_model()
     try:
         commit = subprocess.run(
             ["git", "describe", "--always", "--dirty"],

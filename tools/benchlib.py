@@ -32,18 +32,22 @@ DOC = REPO / "docs" / "BENCHMARKS.md"
 
 
 # ---------------------------------------------------------------------------- machine
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (else what `platform` knows)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
 def machine_info() -> dict[str, str]:
     """Cores, CPU model, torch, load average, UTC date and git commit (with a dirty flag)."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     commit = _git("rev-parse", "--short", "HEAD")
     if _git("status", "--porcelain", "--untracked-files=no"):
         commit += " (+ uncommitted changes)"

@@ -280,25 +280,18 @@ def policy_loss(
     recomputed old, or proximal for decoupled_ppo). Raises ValueError if it is missing.
     """
     agg = dict(mode=config.loss_aggregation, num_tokens=num_tokens, num_sequences=num_sequences)
-    if config.name == "sao" and config.importance_weighting == "ppo_clip":
-        return ppo_clip_loss(
-            logprobs,
-            behaviour_logprobs,
-            advantages,
-            action_mask,
-            clip_low=config.clip_low,
-            clip_high=config.clip_high,
-            dual_clip=config.dual_clip,
-            **agg,
-        )
-    if config.name == "sao":
+    if config.name == "sao" and config.importance_weighting != "ppo_clip":
         w = importance_weights(config, logprobs, behaviour_logprobs, action_mask).weights
         return policy_gradient_loss(logprobs, advantages, w, action_mask, **agg)
-    if old_logprobs is None:
+    w = None
+    if config.name == "sao":  # ppo_clip: the behaviour policy stands in for pi_old
+        old_logprobs = behaviour_logprobs
+    elif old_logprobs is None:
         raise ValueError(
             "algorithm.name='grpo' needs old_logprobs [B, T] recomputed by the trainer"
         )
-    w = importance_weights(config, old_logprobs, behaviour_logprobs, action_mask).weights
+    else:
+        w = importance_weights(config, old_logprobs, behaviour_logprobs, action_mask).weights
     return ppo_clip_loss(
         logprobs,
         old_logprobs,
