@@ -1,6 +1,6 @@
 """Megatron-Core policy and value models, freezing, and log-prob/entropy computation."""
 
-from sao_megatron.models.builders import ValueGPTModel, ValueHead, build_policy, build_value_model
+from sao_megatron.models.builders import ValueGPTModel, build_policy, build_value_model
 from sao_megatron.models.config import MoEModelConfig
 from sao_megatron.models.forward import (
     ModelInputs,
@@ -11,11 +11,11 @@ from sao_megatron.models.forward import (
 )
 from sao_megatron.models.freeze import VALUE_DEFAULT_FREEZE_PATTERNS, FreezeReport, apply_freeze
 from sao_megatron.models.logprobs import token_logprobs_and_entropy
-from sao_megatron.models.sharding import shard_state_dict
 from sao_megatron.models.transformer_config import (
     build_transformer_config,
     check_model_parallel_compat,
 )
+from sao_megatron.models.value_head import ValueHead
 from sao_megatron.models.value_init import ValueInitReport, init_value_from_policy
 
 __all__ = [
@@ -36,6 +36,5 @@ __all__ = [
     "compute_values",
     "forward_backward",
     "init_value_from_policy",
-    "shard_state_dict",
     "token_logprobs_and_entropy",
 ]

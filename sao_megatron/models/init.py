@@ -9,7 +9,8 @@ see the generator advanced by earlier ones. On GPU Megatron forks per-EP/TP RNG 
 module is not used.
 
 Here each parameter's *full* tensor is drawn from a generator seeded by (seed, global parameter
-name) with Megatron's default init, then sliced to this rank with ``shard_state_dict``:
+name) with Megatron's default init, then sliced to this rank by the shard map
+(``sao_megatron.parallel.sharding``):
 
 - weights: N(0, init_method_std^2); output projections (``linear_proj``, ``linear_fc2``):
   N(0, init_method_std^2 / (2 * num_layers)) (Megatron ``scaled_init_method_normal``; GPT-2,
@@ -26,8 +27,8 @@ import zlib
 import torch
 from megatron.core.transformer import TransformerConfig
 
-from sao_megatron.models.builders import ValueHead
-from sao_megatron.models.sharding import local_to_global_names, shard_rule, shard_state_dict
+from sao_megatron.models.value_head import ValueHead
+from sao_megatron.parallel.sharding import full_shape, shard_map, slice_coords, split_tensor
 
 _OUTPUT_PROJECTIONS = ("linear_proj.weight", "linear_fc2.weight")
 
@@ -63,30 +64,16 @@ def init_layout_independent(
     etp_size: int = 1,
 ) -> None:
     """Re-initialise ``chunk``'s parameters so that they equal this rank's slice of the 1-rank
-    model initialised with the same ``seed`` (coordinates as in ``shard_state_dict``)."""
-    params = dict(chunk.named_parameters())
-    local_state = chunk.state_dict()
+    model initialised with the same ``seed`` (coordinates as in
+    ``sao_megatron.parallel.sharding.shard_state_dict``; the EP offset comes from the chunk's own
+    experts, ``ep_rank`` is kept for that signature)."""
     value_head = isinstance(getattr(chunk, "output_layer", None), ValueHead)
-    sizes = {"tp": tp_size, "etp": etp_size, "none": 1}
-    full = {}
-    for local, global_name in local_to_global_names(chunk, ep_rank).items():
-        value = local_state[local]
-        if local not in params or (value_head and global_name.startswith("output_layer.")):
-            full[global_name] = value
+    for shard in shard_map(chunk):
+        if not shard.is_param or (value_head and shard.global_name.startswith("output_layer.")):
             continue
-        group, dim, _ = shard_rule(global_name)
-        shape = list(value.shape)
-        if dim is not None:
-            shape[dim] *= sizes[group]
-        full[global_name] = full_init_tensor(global_name, shape, value.dtype, seed, config)
-    sliced = shard_state_dict(
-        full,
-        chunk,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        ep_rank=ep_rank,
-        etp_rank=etp_rank,
-        etp_size=etp_size,
-    )
-    for name, p in params.items():
-        p.copy_(sliced[name])
+        rank, size = slice_coords(shard, tp_rank, tp_size, etp_rank, etp_size)
+        param = shard.value
+        full = full_init_tensor(
+            shard.global_name, full_shape(shard, size), param.dtype, seed, config
+        )
+        param.copy_(split_tensor(full, shard, rank, size))

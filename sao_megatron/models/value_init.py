@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sao_megatron.models.builders import ValueHead
+from sao_megatron.models.value_head import ValueHead
 
 
 @dataclass

@@ -104,7 +104,7 @@ def test_vocab_rows_must_match_config():
 
 
 def test_transformer_engine_names_map_to_local_spec_names():
-    from sao_megatron.convert.model_io import local_spec_name
+    from sao_megatron.parallel.sharding import local_spec_name
 
     assert local_spec_name("self_attention.linear_qkv.layer_norm_weight") == (
         "input_layernorm.weight"

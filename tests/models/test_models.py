@@ -16,7 +16,7 @@ from sao_megatron.models import (
     compute_values,
     init_value_from_policy,
 )
-from sao_megatron.models.sharding import shard_rule, shard_state_dict
+from sao_megatron.parallel.sharding import shard_map, shard_state_dict
 
 
 def _ids(b, t, seed=0):
@@ -121,14 +121,30 @@ def test_freeze_pattern_matching_nothing_is_an_error(parallel_1rank, tiny_moe):
         apply_freeze(value, ["("])
 
 
-def test_shard_rules_split_swiglu_halves():
-    assert shard_rule("decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight") == (
-        "etp",
+def test_shard_map_reads_splits_from_the_model(parallel_1rank, tiny_moe):
+    """TP dims and SwiGLU halves come from Megatron's parameter attributes; experts carry their
+    global index; the value head is replicated."""
+    policy = build_policy(tiny_moe, parallel_1rank)[0]
+    value = build_value_model(tiny_moe, parallel_1rank)[0]
+    shards = {s.global_name: s for s in shard_map(policy)}
+    fc1 = shards["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"]
+    assert (fc1.tp_dim, fc1.glu, fc1.expert, fc1.global_expert, fc1.global_layer) == (
         0,
         True,
+        True,
+        3,
+        1,
     )
-    assert shard_rule("decoder.layers.0.self_attention.linear_proj.weight") == ("tp", 1, False)
-    assert shard_rule("decoder.layers.0.mlp.router.weight") == ("none", None, False)
+    assert (
+        shards["decoder.layers.0.self_attention.linear_proj.weight"].tp_dim,
+        shards["decoder.layers.0.self_attention.linear_proj.weight"].glu,
+    ) == (1, False)
+    assert shards["decoder.layers.0.mlp.router.weight"].tp_dim is None
+    assert shards["embedding.word_embeddings.weight"].tp_dim == 0
+    assert shards["output_layer.weight"].tp_dim == 0
+    assert not shards["decoder.layers.0.self_attention.linear_qkv._extra_state"].is_param
+    head = {s.global_name: s for s in shard_map(value)}
+    assert head["output_layer.weight"].tp_dim is None and head["output_layer.bias"].is_param
 
 
 def test_shard_state_dict_identity_at_one_rank(parallel_1rank, tiny_moe):

@@ -152,10 +152,10 @@ def _run_layout(model_cfg, pkw, weights, ref, batch, dist_opt=False, without=Non
         compute_policy_logprobs,
         compute_values,
         forward_backward,
-        shard_state_dict,
     )
     from sao_megatron.optim import OptimizerConfig, PrecisionConfig, build_optimizer
     from sao_megatron.parallel import ParallelConfig, destroy_parallel, initialize_parallel
+    from sao_megatron.parallel.sharding import shard_state_dict
 
     st = initialize_parallel(ParallelConfig(**pkw))
     if without:
