@@ -182,3 +182,60 @@ class MoEModelConfig:
                 )
         kw.update(overrides)
         return cls(**kw)
+
+    def to_hf_config(
+        self,
+        *,
+        bos_token_id: int,
+        eos_token_id: int,
+        pad_token_id: int,
+        torch_dtype: str = "float32",
+    ) -> dict[str, Any]:
+        """The Hugging Face ``config.json`` (Qwen3-MoE) of this model, so vLLM and transformers
+        load its exported weights; ``from_hf_config`` reads it back to an equal config.
+
+        Args:
+            bos_token_id, eos_token_id, pad_token_id: the tokenizer's special ids.
+            torch_dtype: HF dtype name of the weights ("float32", "bfloat16", "float16").
+
+        Raises:
+            ValueError: shapes Qwen3-MoE cannot express (shared experts, attention bias, no q/k
+                norm).
+        """
+        if self.shared_expert_intermediate_size or self.attention_bias or not self.qk_layernorm:
+            raise ValueError(
+                "exporting a from-scratch model writes a Qwen3-MoE config: set "
+                "model.shared_expert_intermediate_size=0, model.attention_bias=false and "
+                "model.qk_layernorm=true (or start from a converted HF checkpoint)"
+            )
+        return {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size or self.moe_intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": list(self.mlp_only_layers),
+            "norm_topk_prob": self.norm_topk_prob,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": False,
+            "hidden_act": "silu",
+            "initializer_range": self.initializer_range,
+            "router_aux_loss_coef": self.router_aux_loss_coef,
+            "output_router_logits": False,
+            "use_sliding_window": False,
+            "bos_token_id": bos_token_id,
+            "eos_token_id": eos_token_id,
+            "pad_token_id": pad_token_id,
+            "torch_dtype": torch_dtype,
+        }

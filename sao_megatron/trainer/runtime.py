@@ -6,16 +6,12 @@ Kept apart from the controller so the loop reads top to bottom without construct
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from sao_megatron.convert.hf_io import atomic_output_dir, write_sharded_safetensors
-from sao_megatron.convert.model_io import megatron_to_hf_tensors
 from sao_megatron.convert.spec import ConversionSpec
 from sao_megatron.data.demonstrations import train_tokenizer_for_envs
 from sao_megatron.data.tokenizer import Tokenizer, load_tokenizer, save_tokenizer
@@ -30,6 +26,7 @@ from sao_megatron.optim.builder import TrainState, build_optimizer
 from sao_megatron.optim.config import OptimizerConfig
 from sao_megatron.parallel.state import ParallelState
 from sao_megatron.trainer.job import JobConfig
+from sao_megatron.weight_sync import export_hf, gather_hf_weights
 
 log = logging.getLogger("sao_megatron.trainer")
 
@@ -85,101 +82,27 @@ def fit_vocab_to_tokenizer(job: JobConfig, tokenizer: Tokenizer, tp: int) -> Non
 
 
 def hf_config_for(model: MoEModelConfig, tokenizer: Tokenizer, dtype: str) -> dict:
-    """A Hugging Face ``config.json`` (Qwen3-MoE) for a model trained from scratch, so vLLM and
-    transformers can load the exported weights.
-
-    Raises ValueError for shapes Qwen3-MoE cannot express (shared experts, attention bias).
-    """
-    if model.shared_expert_intermediate_size or model.attention_bias or not model.qk_layernorm:
-        raise ValueError(
-            "exporting a from-scratch model writes a Qwen3-MoE config: set "
-            "model.shared_expert_intermediate_size=0, model.attention_bias=false and "
-            "model.qk_layernorm=true (or start from a converted HF checkpoint)"
-        )
-    return {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "vocab_size": model.vocab_size,
-        "hidden_size": model.hidden_size,
-        "intermediate_size": model.intermediate_size or model.moe_intermediate_size,
-        "num_hidden_layers": model.num_hidden_layers,
-        "num_attention_heads": model.num_attention_heads,
-        "num_key_value_heads": model.num_key_value_heads,
-        "head_dim": model.head_dim,
-        "num_experts": model.num_experts,
-        "num_experts_per_tok": model.num_experts_per_tok,
-        "moe_intermediate_size": model.moe_intermediate_size,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": list(model.mlp_only_layers),
-        "norm_topk_prob": model.norm_topk_prob,
-        "rope_theta": model.rope_theta,
-        "rms_norm_eps": model.rms_norm_eps,
-        "tie_word_embeddings": model.tie_word_embeddings,
-        "max_position_embeddings": model.max_position_embeddings,
-        "attention_bias": False,
-        "hidden_act": "silu",
-        "initializer_range": model.initializer_range,
-        "router_aux_loss_coef": model.router_aux_loss_coef,
-        "output_router_logits": False,
-        "use_sliding_window": False,
-        "bos_token_id": tokenizer.bos_id,
-        "eos_token_id": tokenizer.eos_id,
-        "pad_token_id": tokenizer.pad_id,
-        "torch_dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
-    }
+    """The HF ``config.json`` of a from-scratch model (`MoEModelConfig.to_hf_config`) with the
+    tokenizer's special ids and the ``precision.params_dtype`` name (fp32/bf16/fp16)."""
+    return model.to_hf_config(
+        bos_token_id=tokenizer.bos_id,
+        eos_token_id=tokenizer.eos_id,
+        pad_token_id=tokenizer.pad_id,
+        torch_dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
+    )
 
 
 def policy_hf_weights(
     policy: list[torch.nn.Module], spec: ConversionSpec, parallel: ParallelState
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream the policy's full weights under HF names (a collective over TP/EP groups).
-
-    Yields on global rank 0 only (other ranks iterate to take part in the gathers and get
-    nothing). With pipeline parallelism each stage's tensors are sent to rank 0 stage by stage.
-    """
-    chunk = policy[0]
-    if parallel.cfg.pp == 1:
-        for name, t in megatron_to_hf_tensors(chunk, spec):
-            if parallel.rank == 0:
-                yield name, t
-        return
-    stage_tensors = list(megatron_to_hf_tensors(chunk, spec))  # one stage: its own slice
-    leader = parallel.tp_rank == 0 and parallel.dp_rank == 0 and parallel.ep_rank == 0
-    gathered: list = [None] * parallel.cfg.pp if parallel.rank == 0 else None
-    payload = stage_tensors if leader else None
-    objs = [None] * dist.get_world_size()
-    dist.all_gather_object(objs, (parallel.pp_rank, leader, payload))
-    if parallel.rank == 0:
-        for pp_rank, is_leader, tensors in objs:
-            if is_leader:
-                gathered[pp_rank] = tensors
-        for tensors in gathered:
-            yield from tensors
+    """Compatibility name: ``(hf_name, tensor)`` pairs of `gather_hf_weights` on rank 0, an empty
+    iterator elsewhere. The gather runs (collectively) when this is called; use
+    `sao_megatron.weight_sync.publish_policy` / `gather_hf_weights` instead."""
+    weights = gather_hf_weights(policy, spec, parallel)
+    return iter(weights.items() if weights is not None else ())
 
 
-def export_policy_hf(
-    policy: list[torch.nn.Module],
-    spec: ConversionSpec,
-    hf_config: dict,
-    tokenizer: Tokenizer,
-    parallel: ParallelState,
-    out_dir: Path,
-) -> None:
-    """Write the policy as a Hugging Face checkpoint folder (config, safetensors, tokenizer).
-
-    Collective; rank 0 writes atomically (temp folder, then rename; an existing folder is
-    replaced).
-    """
-    weights = policy_hf_weights(policy, spec, parallel)
-    if parallel.rank == 0:
-        with atomic_output_dir(out_dir, overwrite=True) as tmp:
-            write_sharded_safetensors(weights, tmp)
-            (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
-            save_tokenizer(tokenizer, str(tmp / "sao_tokenizer"))
-    else:
-        for _ in weights:
-            pass
-    barrier()
+export_policy_hf = export_hf  # compatibility name of sao_megatron.weight_sync.export_hf
 
 
 def build_policy_state(
