@@ -1,40 +1,39 @@
-"""Megatron-Core policy and value models, freezing, and log-prob/entropy computation."""
+"""Megatron-Core policy and value models, freezing, and log-prob/entropy computation.
 
-from sao_megatron.models.builders import ValueGPTModel, build_policy, build_value_model
-from sao_megatron.models.config import MoEModelConfig
-from sao_megatron.models.forward import (
-    ModelInputs,
-    causal_padding_mask,
-    compute_policy_logprobs,
-    compute_values,
-    forward_backward,
-)
-from sao_megatron.models.freeze import VALUE_DEFAULT_FREEZE_PATTERNS, FreezeReport, apply_freeze
-from sao_megatron.models.logprobs import token_logprobs_and_entropy
-from sao_megatron.models.transformer_config import (
-    build_transformer_config,
-    check_model_parallel_compat,
-)
-from sao_megatron.models.value_head import ValueHead
-from sao_megatron.models.value_init import ValueInitReport, init_value_from_policy
+Exports are lazy: ``sao_megatron.models.config`` (``MoEModelConfig``, its HF config) is
+imported by tools that run in the vLLM virtualenv, which has no Megatron-Core.
+"""
 
-__all__ = [
-    "VALUE_DEFAULT_FREEZE_PATTERNS",
-    "FreezeReport",
-    "ModelInputs",
-    "MoEModelConfig",
-    "ValueGPTModel",
-    "ValueHead",
-    "ValueInitReport",
-    "apply_freeze",
-    "build_policy",
-    "build_transformer_config",
-    "build_value_model",
-    "causal_padding_mask",
-    "check_model_parallel_compat",
-    "compute_policy_logprobs",
-    "compute_values",
-    "forward_backward",
-    "init_value_from_policy",
-    "token_logprobs_and_entropy",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ValueGPTModel": "builders",
+    "build_policy": "builders",
+    "build_value_model": "builders",
+    "MoEModelConfig": "config",
+    "ModelInputs": "forward",
+    "causal_padding_mask": "forward",
+    "compute_policy_logprobs": "forward",
+    "compute_values": "forward",
+    "forward_backward": "forward",
+    "VALUE_DEFAULT_FREEZE_PATTERNS": "freeze",
+    "FreezeReport": "freeze",
+    "apply_freeze": "freeze",
+    "token_logprobs_and_entropy": "logprobs",
+    "build_transformer_config": "transformer_config",
+    "check_model_parallel_compat": "transformer_config",
+    "ValueHead": "value_head",
+    "ValueInitReport": "value_init",
+    "init_value_from_policy": "value_init",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'sao_megatron.models' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"sao_megatron.models.{_EXPORTS[name]}"), name)

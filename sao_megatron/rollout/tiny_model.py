@@ -15,10 +15,13 @@ written: the rollout is token-in/token-out and the server runs with ``--skip-tok
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
-TINY_QWEN3_MOE = dict(
+from sao_megatron.models.config import MoEModelConfig
+
+TINY_MOE = MoEModelConfig(
     vocab_size=300,
     hidden_size=128,
     num_hidden_layers=2,
@@ -29,17 +32,14 @@ TINY_QWEN3_MOE = dict(
     moe_intermediate_size=128,
     num_experts=8,
     num_experts_per_tok=2,
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
     norm_topk_prob=True,
     max_position_embeddings=4096,
     rope_theta=10000.0,
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
 )
+"""The tiny model's shape (its HF config is ``TINY_MOE.to_hf_config(**SPECIAL_IDS)``)."""
+SPECIAL_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
 def write_tiny_qwen3_moe(
@@ -59,14 +59,13 @@ def write_tiny_qwen3_moe(
     from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen3MoeConfig(
-        **{**TINY_QWEN3_MOE, "vocab_size": vocab_size}, initializer_range=init_std
-    )
+    tiny = dataclasses.replace(TINY_MOE, vocab_size=vocab_size, initializer_range=init_std)
+    config = Qwen3MoeConfig(**tiny.to_hf_config(**SPECIAL_IDS))
     model = Qwen3MoeForCausalLM(config).to(torch.float32).eval()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
-    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(out)
+    GenerationConfig(**SPECIAL_IDS).save_pretrained(out)
     (out / "sao_tiny_model.json").write_text(json.dumps({"seed": seed, "init_std": init_std}))
     return out
 

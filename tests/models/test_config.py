@@ -179,3 +179,14 @@ def test_precision_and_optimizer_errors():
         OptimizerConfig(decay_style="cosine")
     with pytest.raises(ValueError, match="optimizer.lr=0"):
         OptimizerConfig(lr=0)
+
+
+def test_hf_config_round_trips_and_rejects_what_qwen3_moe_cannot_express():
+    m = MoEModelConfig(**tiny_moe_kwargs(), mlp_only_layers=[1], intermediate_size=96)
+    hf = m.to_hf_config(bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="bfloat16")
+    assert (hf["model_type"], hf["torch_dtype"], hf["eos_token_id"]) == ("qwen3_moe", "bfloat16", 2)
+    assert MoEModelConfig.from_hf_config(hf) == m
+    with pytest.raises(ValueError, match="model.attention_bias=false"):
+        MoEModelConfig(**tiny_moe_kwargs(), attention_bias=True).to_hf_config(
+            bos_token_id=1, eos_token_id=2, pad_token_id=0
+        )
