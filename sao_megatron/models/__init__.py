@@ -9,26 +9,23 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_EXPORTS = {
-    "ValueGPTModel": "builders",
-    "build_policy": "builders",
-    "build_value_model": "builders",
-    "MoEModelConfig": "config",
-    "ModelInputs": "forward",
-    "causal_padding_mask": "forward",
-    "compute_policy_logprobs": "forward",
-    "compute_values": "forward",
-    "forward_backward": "forward",
-    "VALUE_DEFAULT_FREEZE_PATTERNS": "freeze",
-    "FreezeReport": "freeze",
-    "apply_freeze": "freeze",
-    "token_logprobs_and_entropy": "logprobs",
-    "build_transformer_config": "transformer_config",
-    "check_model_parallel_compat": "transformer_config",
-    "ValueHead": "value_head",
-    "ValueInitReport": "value_init",
-    "init_value_from_policy": "value_init",
+_MODULES = {
+    "builders": ("ValueGPTModel", "build_policy", "build_value_model"),
+    "config": ("MoEModelConfig",),
+    "forward": (
+        "ModelInputs",
+        "causal_padding_mask",
+        "compute_policy_logprobs",
+        "compute_values",
+        "forward_backward",
+    ),
+    "freeze": ("VALUE_DEFAULT_FREEZE_PATTERNS", "FreezeReport", "apply_freeze"),
+    "logprobs": ("token_logprobs_and_entropy",),
+    "transformer_config": ("build_transformer_config", "check_model_parallel_compat"),
+    "value_head": ("ValueHead",),
+    "value_init": ("ValueInitReport", "init_value_from_policy"),
 }
+_EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = sorted(_EXPORTS)
 
