@@ -6,8 +6,7 @@ imported by tools that run in the vLLM virtualenv, which has no Megatron-Core.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from sao_megatron.lazy import lazy_exports
 
 _MODULES = {
     "builders": ("ValueGPTModel", "build_policy", "build_value_model"),
@@ -25,12 +24,4 @@ _MODULES = {
     "value_head": ("ValueHead",),
     "value_init": ("ValueInitReport", "init_value_from_policy"),
 }
-_EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'sao_megatron.models' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"sao_megatron.models.{_EXPORTS[name]}"), name)
+__getattr__, __all__ = lazy_exports(__name__, _MODULES)

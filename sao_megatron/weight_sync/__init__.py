@@ -6,21 +6,18 @@
 - `sync_engine` / `sync_engines`: the engine reload call sequence.
 - `publish_policy` / `export_hf`: what the trainer calls (every rank, one line).
 
-See docs/WEIGHT_SYNC.md.
+Exports are lazy: the rollout side (publisher, engine protocol) imports without Megatron-Core
+and the conversion code. See docs/WEIGHT_SYNC.md.
 """
 
-from sao_megatron.weight_sync.engines import EngineSyncReport, sync_engine, sync_engines
-from sao_megatron.weight_sync.gather import gather_hf_weights
-from sao_megatron.weight_sync.publish import export_hf, publish_policy
-from sao_megatron.weight_sync.publisher import WeightPublisher, WeightSource
+from __future__ import annotations
 
-__all__ = [
-    "EngineSyncReport",
-    "WeightPublisher",
-    "WeightSource",
-    "export_hf",
-    "gather_hf_weights",
-    "publish_policy",
-    "sync_engine",
-    "sync_engines",
-]
+from sao_megatron.lazy import lazy_exports
+
+_MODULES = {
+    "engines": ("EngineSyncReport", "sync_engine", "sync_engines"),
+    "gather": ("gather_hf_weights",),
+    "publish": ("export_hf", "publish_policy"),
+    "publisher": ("WeightPublisher", "WeightSource"),
+}
+__getattr__, __all__ = lazy_exports(__name__, _MODULES)
