@@ -22,16 +22,9 @@ from pathlib import Path
 
 import torch
 
+from sao_megatron.convert.pretrained import text_nll
+
 TEXT = Path(__file__).resolve().parent.parent / "tests" / "real_model" / "fixed_text.txt"
-
-
-def text_nll(model: torch.nn.Module, ids: torch.Tensor) -> tuple[float, int]:
-    """Mean next-token negative log-likelihood (nats, accumulated in float64) of ``ids [T]``
-    under ``model``, and the number of predicted tokens (T - 1)."""
-    with torch.no_grad():
-        logits = model(ids[None]).logits[0, :-1].double()
-    nll = torch.nn.functional.cross_entropy(logits, ids[1:], reduction="sum")
-    return nll.item() / (ids.numel() - 1), ids.numel() - 1
 
 
 def grid_step(weight: torch.Tensor, levels: int, symmetric: bool) -> torch.Tensor:
@@ -82,7 +75,9 @@ def main() -> None:
     ids = torch.tensor(tok(TEXT.read_text()).input_ids)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     layer0 = model.model.layers[0]
-    residual = max(grid_residual(layer0.mlp.up_proj.weight), grid_residual(layer0.self_attn.q_proj.weight))
+    residual = max(
+        grid_residual(p) for p in (layer0.mlp.up_proj.weight, layer0.self_attn.q_proj.weight)
+    )
     start = time.perf_counter()
     nll, n = text_nll(model, ids)
     seconds = time.perf_counter() - start

@@ -138,7 +138,11 @@ def tokenizer_from_gguf(gguf_path: str | os.PathLike) -> Any:
     )
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == 3]
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, k in zip(tokens, types, strict=True)
+            if k == 3
+        ]
     )
 
     def token(key: str) -> str | None:
@@ -274,6 +278,18 @@ def truncate_layers(
         )
         copy_tokenizer_files(src_dir, tmp)
     return Path(out_dir).absolute()
+
+
+def text_nll(model: Any, ids: Any) -> tuple[float, int]:
+    """Mean next-token negative log-likelihood (nats; log-softmax of fp32 logits accumulated in
+    float64) of one sequence ``ids [T] int64`` under an HF causal LM, and the number of
+    predicted tokens ``T - 1``. Perplexity is ``exp`` of the first value."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(ids[None]).logits[0, :-1].double()
+    nll = torch.nn.functional.cross_entropy(logits, ids[1:], reduction="sum")
+    return nll.item() / (ids.numel() - 1), ids.numel() - 1
 
 
 def _version(package: str) -> str | None:

@@ -32,7 +32,8 @@ def smollm2_2layer(smollm2_dir, tmp_path_factory) -> Path:
     """First ``NUM_FIXTURE_LAYERS`` decoder layers of the real model, real embeddings/tokenizer."""
     from sao_megatron.convert.pretrained import truncate_layers
 
-    return truncate_layers(smollm2_dir, tmp_path_factory.mktemp("smollm2") / "hf", NUM_FIXTURE_LAYERS)
+    out = tmp_path_factory.mktemp("smollm2") / "hf"
+    return truncate_layers(smollm2_dir, out, NUM_FIXTURE_LAYERS)
 
 
 def real_text_ids(directory: Path, num_tokens: int = 48):
