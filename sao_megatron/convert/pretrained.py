@@ -198,7 +198,7 @@ def dequantize_gguf(
 
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name, torch_dtype=torch.float32
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
         )
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer_from_gguf(gguf_path).save_pretrained(tmp)
