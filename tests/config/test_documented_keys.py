@@ -48,8 +48,8 @@ from sao_megatron.trainer.job import JobConfig
 ROOT = Path(__file__).resolve().parents[2]
 CANDIDATE = re.compile(r"(?<![\w./$-])([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)+)(?![\w/-])(\(?)")
 FILE_EXTENSIONS = {
-    "py", "md", "yaml", "yml", "json", "jsonl", "sh", "sbatch", "pt", "txt", "model", "toml",
-    "safetensors", "distcp", "png", "log", "csv", "gguf", "bin", "cfg", "index",
+    "py", "md", "yaml", "yml", "json", "jsonl", "sh", "sbatch", "pt", "txt", "toml",
+    "safetensors", "distcp", "png", "log", "csv", "gguf", "bin",
 }  # fmt: skip
 MODULES = {
     "sao_megatron", "megatron", "torch", "vllm", "transformers", "numpy", "np", "os", "sys",
@@ -69,6 +69,7 @@ NOT_KEYS = {
     "docs/ROLLOUT.md:config.rollout": "a Python attribute (the job config's rollout section)",
     "docs/ROLLOUT.md:env.max_steps": "an environment attribute",
     "docs/ENVIRONMENTS.md:env.step": "an environment method",
+    "docs/ENVIRONMENTS.md:tokenizer.model": "the sentencepiece model file",
     "docs/CHECKPOINTS.md:job.checkpoint": "a Python attribute (the job's checkpoint section)",
 }
 
