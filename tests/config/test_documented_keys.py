@@ -5,8 +5,8 @@ What is extracted (a "candidate" is a chain of two or more lowercase identifiers
 ``[a-z_][a-z0-9_]*(\\.[a-z_][a-z0-9_]*)+``, not inside a longer name or a path):
 - README.md, docs/*.md: candidates in inline code spans (`` `...` ``) and in fenced code blocks
   that are not Python (```` ```python ```` blocks hold Python attribute chains, not keys);
-- examples/configs/*.yaml: the nested keys of each file, flattened to dotted paths (values
-  whose field is a dict, e.g. ``tasks.train[].options``, are free-form and not descended);
+- examples/configs/*.yaml: the nested keys of each file, flattened to dotted paths (list items
+  add no part: ``tasks.train.options.horizon``);
 - launch_scripts/*: candidates anywhere (comments and command lines);
 - sao_megatron/**.py: candidates in the string literals (f-string parts included) of ``raise``
   statements and of ``warn``/``warning``/``error`` calls, i.e. error and warning messages.
@@ -23,9 +23,10 @@ listed in `NOT_KEYS` with the reason.
 
 A key must then resolve field by field through the dataclasses of `JobConfig` (lists of
 dataclasses are entered, dict fields accept any sub-key; ``optimizer.<field>`` resolves
-against `OptimizerConfig`). Keys known to be wrong in files this
-test's author does not own are in `KNOWN_WRONG` (to be emptied when those files are fixed): the
-test fails both when a new wrong key appears and when a known-wrong key is fixed or removed.
+against `OptimizerConfig`; keys under a dict field, such as an environment's ``options``,
+resolve whatever they are). Wrong keys not fixed yet are listed with their fix in `KNOWN_WRONG`
+(to be emptied when those files are fixed): the test fails both when a new wrong key appears and
+when a known-wrong key is fixed or removed.
 """
 
 from __future__ import annotations
