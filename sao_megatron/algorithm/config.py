@@ -14,7 +14,7 @@ Each part checks its own ranges in ``__post_init__`` (a ValueError naming the do
 `AlgorithmConfig.__post_init__` then asks the registered algorithm which parts it reads and
 rejects a non-default value in a part it ignores (a key that would be ignored is an error).
 Keys of the former flat layout (``algorithm.eps_low``, ...) are listed in `MOVED_FIELDS` with the
-key that replaced them. docs/ALGORITHM.md maps each field to the formula it selects.
+key that replaced them (load_config turns them into a migration error). docs/ALGORITHM.md maps each field to the formula it selects.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ class ImportanceConfig:
 
 
 def _moved(section: str, names: tuple[str, ...], prefix: str = "") -> dict[str, str]:
-    return {n: f"algorithm.{section}.{n.removeprefix(prefix)}" for n in names}
+    return {n: f"moved to algorithm.{section}.{n.removeprefix(prefix)}" for n in names}
 
 
 @dataclass(kw_only=True)
@@ -200,8 +200,8 @@ class AlgorithmConfig:
     unregistered name, and on a non-default value in a part the algorithm does not read.
     """
 
-    #: former flat keys -> the key that replaced them (None: removed), for migration errors
-    MOVED_FIELDS: ClassVar[dict[str, str | None]] = {
+    #: former flat keys -> the fix (the key that replaced them), for migration errors
+    MOVED_FIELDS: ClassVar[dict[str, str]] = {
         **_moved(
             "sao",
             tuple(f.name for f in dataclasses.fields(SAOConfig)),
@@ -209,10 +209,10 @@ class AlgorithmConfig:
         **_moved("grpo", ("grpo_group_size", "grpo_std_normalize", "grpo_eps"), prefix="grpo_"),
         **_moved("ppo", ("clip_low", "clip_high", "dual_clip")),
         **_moved("importance", tuple(f.name for f in dataclasses.fields(ImportanceConfig))[1:]),
-        "importance_weighting": "algorithm.importance.weighting",
-        "max_staleness": "rollout.max_staleness",
-        "kl_coef": None,
-        "kl_estimator": None,
+        "importance_weighting": "moved to algorithm.importance.weighting",
+        "max_staleness": "moved to rollout.max_staleness (the rollout enforces staleness)",
+        "kl_coef": "removed: the trainer builds no reference model, so there is no KL penalty",
+        "kl_estimator": "removed: the trainer builds no reference model, so there is no KL penalty",
     }
 
     name: str = "sao"
