@@ -14,7 +14,8 @@ Each part checks its own ranges in ``__post_init__`` (a ValueError naming the do
 `AlgorithmConfig.__post_init__` then asks the registered algorithm which parts it reads and
 rejects a non-default value in a part it ignores (a key that would be ignored is an error).
 Keys of the former flat layout (``algorithm.eps_low``, ...) are listed in `MOVED_FIELDS` with the
-key that replaced them (load_config turns them into a migration error). docs/ALGORITHM.md maps each field to the formula it selects.
+key that replaced them (load_config turns them into a migration error). docs/ALGORITHM.md maps
+each field to the formula it selects.
 """
 
 from __future__ import annotations
