@@ -76,6 +76,22 @@ class RLRunState:
             setattr(self, name, int(state[name]))
 
 
+@dataclasses.dataclass(kw_only=True)
+class RLParts:
+    """What the RL stage runs with (built by `Controller.build_rl`).
+
+    step_fn: the RL step (its ``policy`` is the policy TrainState); states: name -> TrainState
+    of every model the checkpoint holds; checkpoints: the RL stage's CheckpointManager;
+    run: the run state; rollout: the rollout (rank 0 only, else None), not started.
+    """
+
+    step_fn: RLStep
+    states: dict[str, Any]
+    checkpoints: CheckpointManager
+    run: RLRunState
+    rollout: RolloutManager | None
+
+
 class TaskStream:
     """The endless, seeded stream of RL tasks (a `Task` per draw).
 
@@ -255,7 +271,9 @@ class Controller:
             self.summary["sft/final_loss"] = m["sft/loss"]
         return state.unwrapped
 
-    def rl_stage(self, policy_chunks, resume_path) -> None:
+    def build_rl(self, policy_chunks, resume_path) -> RLParts:
+        """Models, optimisers, the RL step, run state and (on rank 0) the rollout, not started;
+        restored from `resume_path` when given. Exports the policy the engines will serve."""
         job, p = self.job, self.parallel
         if policy_chunks is None and resume_path is None and "sft" not in job.stages:
             sft = self._ckpt("sft").resolve_resume()  # start from a finished SFT stage if any
@@ -289,42 +307,47 @@ class Controller:
                 run_dir=self.run_dir / "rollout",
                 model_path=str(hf_dir),
                 group_size=self.algorithm.group_size,
-            ).start()
-        try:
-            if "rl" in job.stages and run.step == 0:
-                self.summary |= {f"before/{k}": v for k, v in self._evaluate(rollout).items()}
-            self._clock = time.perf_counter()  # rl.time_budget_s counts value pre-training and RL
-            self._value_pretrain(step_fn, rollout, run)
-            if "rl" in job.stages:
-                m = self._rl_loop(step_fn, policy, states, mgr, rollout, run)
-                self._finish_rl(policy, rollout, run, m)
-        finally:
-            if rollout is not None:
-                rollout.stop()
+            )
+        return RLParts(step_fn=step_fn, states=states, checkpoints=mgr, run=run, rollout=rollout)
 
-    def _value_pretrain(self, step_fn: RLStep, rollout, run: RLRunState) -> None:
+    def rl_stage(self, policy_chunks, resume_path) -> None:
+        rl = self.build_rl(policy_chunks, resume_path)
+        if rl.rollout is not None:
+            rl.rollout.start()
+        try:
+            if "rl" in self.job.stages and rl.run.step == 0:
+                self.summary |= {f"before/{k}": v for k, v in self._evaluate(rl.rollout).items()}
+            self._clock = time.perf_counter()  # rl.time_budget_s counts value pre-training and RL
+            self._value_pretrain(rl)
+            if "rl" in self.job.stages:
+                self._finish_rl(rl, self._rl_loop(rl))
+        finally:
+            if rl.rollout is not None:
+                rl.rollout.stop()
+
+    def _value_pretrain(self, rl: RLParts) -> None:
         """Cold-start the critic: its update phases on rollouts of the frozen policy."""
-        job = self.job
+        job, run = self.job, rl.run
         steps = job.value_pretrain.steps if "value_pretrain" in job.stages else 0
         with self._logger("value_pretrain", steps, run.value_pretrain_steps) as logger:
             while run.value_pretrain_steps < steps:
-                batch = self._next_batch(rollout, run.policy_version)
+                batch = self._next_batch(rl.rollout, run.policy_version)
                 run.value_pretrain_steps += 1
-                m = broadcast_from_last_stage(step_fn.value_step(batch), self.parallel)
+                m = broadcast_from_last_stage(rl.step_fn.value_step(batch), self.parallel)
                 logger.log(run.value_pretrain_steps, m | _episode_metrics(batch))
         self.summary["rl/value_pretrain_s"] = time.perf_counter() - self._clock
 
-    def _rl_loop(self, step_fn: RLStep, policy, states, mgr, rollout, run: RLRunState) -> dict:
+    def _rl_loop(self, rl: RLParts) -> dict[str, float]:
         """Per step: batch -> the algorithm's update schedule -> publish -> log -> checkpoint.
 
         Returns the last step's metrics.
         """
-        job, timer, m = self.job, Timer(), {}
+        job, run, step_fn, timer, m = self.job, rl.run, rl.step_fn, Timer(), {}
         out_of_time = False
         with self._logger("rl", job.rl.steps, run.step) as logger:
             while run.step < job.rl.steps and not out_of_time:
                 with timer.phase("rollout"):
-                    batch = self._next_batch(rollout, run.policy_version)
+                    batch = self._next_batch(rl.rollout, run.policy_version)
                 reset_peak_memory()  # memory/peak_* below = this update's peak
                 with timer.phase("train"):
                     update = step_fn.start(batch, train_version=run.policy_version)
@@ -335,33 +358,33 @@ class Controller:
                 mem = peak_memory_gib()
                 run.step, run.policy_version = run.step + 1, run.policy_version + 1
                 with timer.phase("sync"):
-                    m |= self._publish(rollout, policy, run.policy_version)
+                    m |= self._publish(rl.rollout, step_fn.policy, run.policy_version)
                 if job.rl.eval_interval and run.step % job.rl.eval_interval == 0:
-                    m |= self._evaluate(rollout)
+                    m |= self._evaluate(rl.rollout)
                 elapsed = time.perf_counter() - self._clock
                 if job.rl.time_budget_s:  # rank 0's clock decides for every rank
                     out_of_time = bool(broadcast_from_rank0(elapsed >= job.rl.time_budget_s))
                 m |= _episode_metrics(batch) | mem | {"time/rl_elapsed_s": elapsed}
-                m |= self._step_metrics(batch, timer.summary(), rollout)
+                m |= self._step_metrics(batch, timer.summary(), rl.rollout)
                 logger.log(run.step, m)
-                if mgr.should_save(run.step) or run.step == job.rl.steps or out_of_time:
+                if rl.checkpoints.should_save(run.step) or run.step == job.rl.steps or out_of_time:
                     with timer.phase("checkpoint"):  # logged with the next step
-                        self._save_rl(mgr, states, run)
+                        self._save_rl(rl)
         return m
 
-    def _finish_rl(self, policy, rollout, run: RLRunState, m: dict) -> None:
+    def _finish_rl(self, rl: RLParts, m: dict[str, float]) -> None:
         """Export the final policy, evaluate it and fill the summary."""
         runtime.export_policy_hf(
-            policy.unwrapped,
+            rl.step_fn.policy.unwrapped,
             self.spec,
             self.hf_config,
             self.tokenizer,
             self.parallel,
             self.run_dir / "hf_policy_final",
         )
-        self.summary |= {f"after/{k}": v for k, v in self._evaluate(rollout).items()}
+        self.summary |= {f"after/{k}": v for k, v in self._evaluate(rl.rollout).items()}
         self.summary |= {k: v for k, v in m.items() if k.startswith(("deviation/", "throughput/"))}
-        self.summary["rl/steps_done"] = float(run.step)
+        self.summary["rl/steps_done"] = float(rl.run.step)
         self.summary["rl/wall_s"] = time.perf_counter() - self._clock
 
     def _step_metrics(self, batch, times: dict[str, float], rollout) -> dict[str, float]:
@@ -372,14 +395,14 @@ class Controller:
         )
         return out | (_rollout_metrics(rollout.stats()) if rollout else {})
 
-    def _save_rl(self, mgr, states, run: RLRunState) -> None:
+    def _save_rl(self, rl: RLParts) -> None:
         common = CommonState(
-            train_step=run.step,
-            policy_version=run.policy_version,
+            train_step=rl.run.step,
+            policy_version=rl.run.policy_version,
             data_cursor=broadcast_from_rank0(self.tasks.state_dict()),  # rank 0 pulls batches
-            extra={"rl_run_state": run.state_dict()},
+            extra={"rl_run_state": rl.run.state_dict()},
         )
-        self._save(mgr, states, common)
+        self._save(rl.checkpoints, rl.states, common)
 
     def _publish(self, rollout, policy, version: int) -> dict[str, float]:
         """Send the policy's weights as `version` to the engines (collective; rank 0 writes)."""

@@ -218,9 +218,8 @@ class JobConfig:
                 f"stages contains value_pretrain but algorithm.name={algorithm.name!r} has no "
                 "value model; remove it from stages"
             )
-        if self.tokenizer.kind == "sentencepiece" and self.tokenizer.vocab_size > (
-            self.model.vocab_size
-        ):
+        trains_tokenizer = self.tokenizer.kind == "sentencepiece" and not self.tokenizer.path
+        if trains_tokenizer and self.tokenizer.vocab_size > self.model.vocab_size:
             raise ValueError(
                 f"tokenizer.vocab_size={self.tokenizer.vocab_size} exceeds model.vocab_size="
                 f"{self.model.vocab_size}: the embedding must hold every token id"

@@ -67,9 +67,11 @@ def fit_vocab_to_tokenizer(job: JobConfig, tokenizer: Tokenizer, tp: int) -> Job
     decode. The new size is rounded up to a multiple of TP (Megatron splits the vocabulary).
     A configured tokenizer (``tokenizer.path``) leaves the model as configured.
 
-    Returns a new JobConfig (`job` is not modified; it is returned as is when nothing changes).
-    The caller trains, checkpoints and writes ``config.yaml`` from the returned config, so the
-    saved config is the trained one.
+    Returns a new JobConfig (`job` is not modified; it is returned as is when nothing changes)
+    whose ``model.vocab_size`` is the fitted size and whose ``tokenizer.path`` is the trained
+    tokenizer (run_dir/tokenizer), so that it loads and validates as it is. The caller trains,
+    checkpoints and writes ``config.yaml`` from the returned config: the saved config is the
+    trained one.
     """
     size = -(-tokenizer.vocab_size // tp) * tp
     if job.tokenizer.path or size >= job.model.vocab_size:
@@ -80,7 +82,11 @@ def fit_vocab_to_tokenizer(job: JobConfig, tokenizer: Tokenizer, tp: int) -> Job
         size,
         tokenizer.vocab_size,
     )
-    return dataclasses.replace(job, model=dataclasses.replace(job.model, vocab_size=size))
+    return dataclasses.replace(
+        job,
+        model=dataclasses.replace(job.model, vocab_size=size),
+        tokenizer=dataclasses.replace(job.tokenizer, path=str(job.run_path / "tokenizer")),
+    )
 
 
 def hf_config_for(model: MoEModelConfig, tokenizer: Tokenizer, dtype: str) -> dict:
