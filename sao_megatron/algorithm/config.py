@@ -189,6 +189,9 @@ class ImportanceConfig:
         _positive(p + "decoupled_weight_cap", self.decoupled_weight_cap)
 
 
+_NO_REFERENCE = "was removed: the trainer builds no reference model, so there is no KL penalty"
+
+
 def _moved(section: str, names: tuple[str, ...], prefix: str = "") -> dict[str, str]:
     return {n: f"moved to algorithm.{section}.{n.removeprefix(prefix)}" for n in names}
 
@@ -212,8 +215,8 @@ class AlgorithmConfig:
         **_moved("importance", tuple(f.name for f in dataclasses.fields(ImportanceConfig))[1:]),
         "importance_weighting": "moved to algorithm.importance.weighting",
         "max_staleness": "moved to rollout.max_staleness (the rollout enforces staleness)",
-        "kl_coef": "removed: the trainer builds no reference model, so there is no KL penalty",
-        "kl_estimator": "removed: the trainer builds no reference model, so there is no KL penalty",
+        "kl_coef": _NO_REFERENCE,
+        "kl_estimator": _NO_REFERENCE,
     }
 
     name: str = "sao"

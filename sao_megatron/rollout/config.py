@@ -56,8 +56,8 @@ class RolloutConfig:
     #: former fields -> the fix, for migration errors (sao_megatron.configs)
     MOVED_FIELDS: ClassVar[dict[str, str]] = {
         "grpo_group_size": "moved to algorithm.grpo.group_size (the algorithm's group size)",
-        "model_path": "removed: the local engines serve the trained policy (run_dir/hf_policy)",
-        "run_dir": "removed: engine logs and weight slots go to <run_dir>/rollout; set run_dir",
+        "model_path": "was removed: the local engines serve the trained policy (run_dir/hf_policy)",
+        "run_dir": "was removed: engine logs and weight slots go to <run_dir>/rollout; set run_dir",
     }
 
     engine_urls: list[str] = field(default_factory=list)

@@ -89,7 +89,7 @@ class LoggingConfig:
 
     #: former fields -> the fix, for migration errors (sao_megatron.configs)
     MOVED_FIELDS: ClassVar[dict[str, str]] = {
-        "run_dir": "removed: metrics go to <run_dir>/<stage>/; set the top-level run_dir",
+        "run_dir": "was removed: metrics go to <run_dir>/<stage>/; set the top-level run_dir",
     }
 
     tensorboard: bool = True

@@ -141,14 +141,14 @@ def test_moved_fields_cover_every_former_flat_key():
     parts = {"sao": SAOConfig, "grpo": GRPOConfig, "ppo": PPOClipConfig}
     parts |= {"importance": ImportanceConfig}
     for old, fix in moved.items():
-        assert fix.startswith(("moved to ", "removed: ")), old
+        assert fix.startswith(("moved to ", "was removed: ")), old
         if fix.startswith("moved to algorithm."):
             _, section, field = fix.split()[2].split(".")
             assert field in {f.name for f in dataclasses.fields(parts[section])}, fix
     assert moved["eps_low"] == "moved to algorithm.importance.eps_low"
     assert moved["grpo_group_size"] == "moved to algorithm.grpo.group_size"
     assert moved["max_staleness"].startswith("moved to rollout.max_staleness")
-    assert moved["kl_coef"].startswith("removed: ")
+    assert moved["kl_coef"].startswith("was removed: ")
 
 
 def test_fills_from_yaml_with_dotted_override():
