@@ -110,20 +110,23 @@ class EngineProcess:
     """One local vLLM server process (and its engine-core/worker children, one process group).
 
     Args:
-        config: the rollout config (model_path, dtype, vllm_python, ...).
+        config: the rollout config (dtype, vllm_python, ...).
         index: engine number, used for the log name and the CPU cores it is bound to.
-        model_path: checkpoint to load (default config.model_path).
+        model_path: Hugging Face checkpoint folder to load.
+        run_dir: the rollout folder; the log goes to run_dir/engines/engine<index>.log.
     Raises ValueError when the model path or the vLLM Python is missing (with the fix).
     """
 
-    def __init__(self, config: RolloutConfig, index: int, model_path: str | None = None) -> None:
+    def __init__(
+        self, config: RolloutConfig, index: int, model_path: str | Path, run_dir: str | Path
+    ) -> None:
         self.config = config
         self.index = index
-        self.model_path = model_path or config.model_path
-        if not self.model_path or not Path(self.model_path).is_dir():
+        self.model_path = str(model_path)
+        if not model_path or not Path(model_path).is_dir():
             raise ValueError(
-                f"rollout.model_path={self.model_path!r}: give a Hugging Face checkpoint folder "
-                "for the local vLLM engines to load"
+                f"model_path={self.model_path!r}: give a Hugging Face checkpoint folder for the "
+                "local vLLM engines to load"
             )
         py = Path(config.vllm_python)
         if not py.is_absolute():
@@ -134,7 +137,7 @@ class EngineProcess:
                 "virtualenv with `bash tools/install_vllm.sh` or point this at one"
             )
         self.python = str(py)
-        self.log_path = Path(config.run_dir) / "engines" / f"engine{index}.log"
+        self.log_path = Path(run_dir) / "engines" / f"engine{index}.log"
         self.port = 0
         self.proc: subprocess.Popen | None = None
         self.num_starts = 0

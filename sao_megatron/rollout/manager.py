@@ -2,14 +2,14 @@
 
 The trainer's whole view of the rollout (all methods are called from the trainer's thread)::
 
-    with RolloutManager(config, formatter, tasks) as rollout:       # starts/attaches engines
+    with RolloutManager(config, formatter, tasks, run_dir=..., model_path=...) as rollout:
         for step in range(num_steps):
             batch = rollout.get_batch(train_version=step)            # list[Trajectory]
             ...train on batch...
             report = rollout.publish_weights(hf_named_tensors, version=step + 1)
 
 Inside, an asyncio event loop on a background thread keeps up to ``max_concurrent_episodes``
-episode groups in flight (one trajectory per task for SAO, ``grpo_group_size`` for GRPO), admits
+episode groups in flight (one trajectory per task for SAO, ``group_size`` for GRPO), admits
 new ones by the AReaL capacity rule (`StalenessBuffer.can_start`), routes every request through
 the `Router`, and streams each finished group into the `StalenessBuffer` at once.
 
@@ -92,6 +92,10 @@ class RolloutManager:
             an in-process fake here (default `EngineClient`).
         processes: already running local engines to adopt instead of starting new ones (they
             are restarted on failure like our own, but `stop()` leaves them running).
+        run_dir: folder for engine logs and the weight-sync slots (a job: run_dir/rollout).
+        model_path: Hugging Face checkpoint folder local engines load, version 0 (required when
+            starting engines; a job passes the exported policy).
+        group_size: trajectories per task, the algorithm's (`Algorithm.group_size`); 1 = SAO.
         initial_version: the policy version of the weights the engines start with (a resumed
             run serves its checkpoint's weights as that version, so nothing sampled before the
             first sync is mislabelled or stale).
@@ -106,8 +110,17 @@ class RolloutManager:
         client_factory: ClientFactory = EngineClient,
         processes: list[EngineProcess] | None = None,
         initial_version: int = 0,
+        run_dir: str | Path,
+        model_path: str = "",
+        group_size: int = 1,
     ) -> None:
+        if group_size < 1 or config.trajectories_per_batch % group_size:
+            raise ValueError(
+                f"rollout.trajectories_per_batch={config.trajectories_per_batch} must be a "
+                f"multiple of the group size {group_size} (algorithm.grpo.group_size)"
+            )
         self.config = config
+        self.run_dir, self.model_path, self.group_size = Path(run_dir), model_path, group_size
         self.formatter = formatter
         self.stop_token_ids = sorted(set(formatter.stop_token_ids) | set(config.stop_token_ids))
         self._tasks: Iterator[Task] = iter(tasks)
@@ -115,11 +128,11 @@ class RolloutManager:
         self._client_factory = client_factory
         self.buffer = StalenessBuffer(
             trajectories_per_batch=config.trajectories_per_batch,
-            group_size=config.grpo_group_size,
+            group_size=group_size,
             max_staleness=config.max_staleness,
             on_stale=self._on_stale_group,
         )
-        self.publisher = WeightPublisher(Path(config.run_dir) / "weights")
+        self.publisher = WeightPublisher(self.run_dir / "weights")
         self.processes: list[EngineProcess | None] = list(processes or [])
         self._owns_processes = processes is None
         self.urls: list[str] = []
@@ -151,7 +164,9 @@ class RolloutManager:
         if self.processes:
             self.urls = [p.url for p in self.processes]
         elif c.launches_engines:
-            procs = [EngineProcess(c, i) for i in range(c.num_engines)]
+            procs = [
+                EngineProcess(c, i, self.model_path, self.run_dir) for i in range(c.num_engines)
+            ]
             self.processes = list(procs)
             for p in procs:
                 p.start()
@@ -316,7 +331,7 @@ class RolloutManager:
     async def _schedule(self) -> None:
         """Start groups while the capacity rule and the concurrency limit allow."""
         limit = self.config.max_concurrent_episodes
-        g = self.config.grpo_group_size
+        g = self.group_size
         exhausted = False
         while not self._closing:
             self._wake.clear()
@@ -341,7 +356,7 @@ class RolloutManager:
                 pass
 
     async def _run_group(self, task: Task, attempt: int) -> None:
-        g = self.config.grpo_group_size
+        g = self.group_size
         self.attempts[task.task_id] += 1
         self._task_by_id[task.task_id] = task
         self.counters["episodes_started"] += g
