@@ -4,7 +4,7 @@ Every component owns a small ``@dataclass(kw_only=True)`` validated in ``__post_
 config only composes them. This module turns ``CONFIG.yaml`` plus dotted CLI overrides
 (``algorithm.value_updates_per_policy_update=2``) into that typed object, and turns OmegaConf's
 errors into messages that name the field and the fix: an unknown key gets the closest field
-names (difflib), a removed key (a class's ``REMOVED_FIELDS``) says what replaced it, and a value a
+names (difflib), a moved or removed key (a class's ``MOVED_FIELDS``) says where it went, and a value a
 reused component rejects is reported under the section it sits in (``sft.optim.lr``, not the
 component's generic ``optimizer.lr``; see ``CONFIG_SECTION``).
 """
@@ -63,11 +63,12 @@ def load_config(schema: type[T], path: str | Path | None, overrides: list[str] =
 
 def _unknown_key_message(owner: Any, key: Any, full_key: str) -> str:
     """'unknown config key 'rl.stpes': did you mean 'rl.steps'?' (difflib over the owner's
-    fields), or what replaced a key the owner lists in ``REMOVED_FIELDS``."""
+    fields), or the migration of a key the owner lists in ``MOVED_FIELDS`` (old field -> "moved to
+    <new.key>" or "was removed: <why>")."""
     name = getattr(owner, "__name__", "the config dataclass")
-    removed = getattr(owner, "REMOVED_FIELDS", {})
-    if key in removed:
-        return f"config key {full_key!r} was removed: {removed[key]}"
+    moved = getattr(owner, "MOVED_FIELDS", {})
+    if key in moved:
+        return f"config key {full_key!r} {moved[key]}"
     prefix = full_key[: -len(str(key))] if full_key.endswith(str(key)) else ""
     fields = [f.name for f in dataclasses.fields(owner)] if dataclasses.is_dataclass(owner) else []
     close = difflib.get_close_matches(str(key), fields, n=3, cutoff=0.6)

@@ -81,8 +81,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Path(job.run_dir).mkdir(parents=True, exist_ok=True)
     parallel = initialize_parallel(job.parallel)
-    if parallel.rank == 0:  # the resolved config of this run, next to its outputs
-        (Path(job.run_dir) / "config.yaml").write_text(to_yaml(job))
     checkpoint_error = None
     try:
         summary = Controller(job, parallel).run()

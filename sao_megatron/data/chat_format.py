@@ -45,7 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sao_megatron.data.episode import EpisodeBuilder
+from sao_megatron.data.episode import EpisodeBuilder, EpisodeFormatConfig, EpisodeFormatter
 
 HISTORY_MODES = ("append", "rerender")
 OBSERVATION_ROLES = ("user", "tool")
@@ -116,8 +116,8 @@ class ChatTemplateFormatter:
         if tokenizer is None:
             if not self.config.tokenizer_path:
                 raise ValueError(
-                    "episode.tokenizer_path is None and no tokenizer was given: set it to the "
-                    "model's HF folder (e.g. .cache/models/SmolLM2-135M-Instruct)"
+                    "ChatFormatConfig.tokenizer_path is None and no tokenizer was given: set it to "
+                    "the model's HF folder (e.g. .cache/models/SmolLM2-135M-Instruct)"
                 )
             from sao_megatron.data.tokenizer import HFTokenizer
 
@@ -304,3 +304,18 @@ class ChatEpisodeBuilder(EpisodeBuilder):
             delta = after[len(before) :] if after.startswith(before) else after
         self.observations.append(observation)
         self.observation_ids.append(f.encode(delta))
+
+
+def build_formatter(tokenizer: Any, config: EpisodeFormatConfig):
+    """The episode formatter a job's ``episode`` section selects: the marker `EpisodeFormatter`
+    (``episode.format=markers``) or a `ChatTemplateFormatter` over the job's tokenizer
+    (``episode.format=chat_template``; raises ValueError if the tokenizer has no chat template).
+    """
+    if config.format == "markers":
+        return EpisodeFormatter(tokenizer, config)
+    chat = ChatFormatConfig(
+        system_prompt=config.system_prompt,
+        observation_role=config.observation_role,
+        history=config.history,
+    )
+    return ChatTemplateFormatter(tokenizer, chat)

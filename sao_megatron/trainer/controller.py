@@ -27,8 +27,8 @@ from sao_megatron.algorithm import registry
 from sao_megatron.configs import to_yaml
 from sao_megatron.convert.spec import ConversionSpec
 from sao_megatron.data.batch import pack_trajectories
+from sao_megatron.data.chat_format import build_formatter
 from sao_megatron.data.demonstrations import demonstration_sequences
-from sao_megatron.data.episode import EpisodeFormatter
 from sao_megatron.models import build_policy
 from sao_megatron.parallel.collectives import broadcast_from_last_stage, broadcast_from_rank0
 from sao_megatron.parallel.state import ParallelState
@@ -221,7 +221,7 @@ class Controller:
         self.job = runtime.fit_vocab_to_tokenizer(self.job, self.tokenizer, self.parallel.cfg.tp)
         if self.rank0:  # the config this run trains with, next to its outputs
             (self.run_dir / "config.yaml").write_text(to_yaml(self.job))
-        self.formatter = EpisodeFormatter(self.tokenizer, self.job.episode)
+        self.formatter = build_formatter(self.tokenizer, self.job.episode)
         self.hf_config = runtime.hf_config_for(
             self.job.model, self.tokenizer, self.job.precision.params_dtype
         )

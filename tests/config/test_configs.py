@@ -134,19 +134,20 @@ def test_a_key_the_algorithm_ignores_is_an_error():
     ],
 )
 def test_moved_keys_have_a_migration_message(old, new):
-    from sao_megatron.config_moves import moved_key_message
     from sao_megatron.trainer.job import JobConfig
 
-    msg = moved_key_message(JobConfig, old)
-    assert msg.startswith(f"config key {old!r} {new}"), msg
+    with pytest.raises(ValueError) as err:
+        load_config(JobConfig, None, [f"{old}=1"])
+    assert str(err.value).startswith(f"config key {old!r} {new}"), err.value
 
 
 def test_unknown_keys_have_no_migration_message():
-    from sao_megatron.config_moves import moved_key_message
     from sao_megatron.trainer.job import JobConfig
 
-    for key in ("algorithm.bogus", "bogus.x", "algorithm.sao.eps_low", "run_dir.x"):
-        assert moved_key_message(JobConfig, key) is None, key
+    for key in ("algorithm.bogus", "algorithm.sao.bogus", "rollout.max_stalenes"):
+        with pytest.raises(ValueError, match="unknown config key") as err:
+            load_config(JobConfig, None, [f"{key}=1"])
+        assert "moved" not in str(err.value) and "removed" not in str(err.value), err.value
 
 
 def test_job_config_cross_field_errors():
@@ -179,3 +180,21 @@ def test_example_configs_load(path):
 def test_example_configs_exist():
     names = {p.name for p in EXAMPLES}
     assert {"quickstart.yaml", "grpo_baseline.yaml", "hanoi_long_horizon.yaml"} <= names
+
+
+@pytest.mark.parametrize(
+    "key,fix",
+    [
+        ("algorithm.eps_low=0.2", "moved to algorithm.importance.eps_low"),
+        ("algorithm.max_staleness=0", "moved to rollout.max_staleness"),
+        ("rollout.grpo_group_size=4", "moved to algorithm.grpo.group_size"),
+        ("algorithm.kl_coef=0.1", "was removed"),
+        ("logging.run_dir=x", "was removed"),
+    ],
+)
+def test_load_config_answers_a_moved_key_with_its_migration(key, fix):
+    from sao_megatron.trainer.job import JobConfig
+
+    old = key.split("=")[0]
+    with pytest.raises(ValueError, match=f"config key '{old}' {fix}"):
+        load_config(JobConfig, None, [key])

@@ -204,7 +204,7 @@ def test_config_errors(smollm2_tok_dir):
         ChatFormatConfig(history="full")
     with pytest.raises(ValueError, match="episode.observation_role='env'"):
         ChatFormatConfig(observation_role="env")
-    with pytest.raises(ValueError, match="episode.tokenizer_path is None"):
+    with pytest.raises(ValueError, match="ChatFormatConfig.tokenizer_path is None"):
         ChatTemplateFormatter(None, ChatFormatConfig())
     with pytest.raises(ValueError, match="has no chat_template"):
         ChatTemplateFormatter(tokenizer(smollm2_tok_dir, ""))

@@ -44,15 +44,13 @@ def wait_for(cond, timeout=10.0) -> bool:
 
 def make_cfg(tmp_path) -> RolloutConfig:
     return RolloutConfig(
-        model_path=str(tmp_path),
         vllm_python=sys.executable,
-        run_dir=str(tmp_path / "run"),
         startup_timeout_s=2.0,
     )
 
 
 def test_stop_kills_the_whole_process_group(tmp_path):
-    p = SleeperProcess(make_cfg(tmp_path), 0)
+    p = SleeperProcess(make_cfg(tmp_path), 0, tmp_path, tmp_path / "run")
     p.start()
     assert wait_for(lambda: len(group_members(p.proc.pid)) == 2)  # server + its child
     p.stop()
@@ -65,7 +63,7 @@ def test_wait_ready_reports_an_engine_that_exits(tmp_path):
         def command(self):
             return [sys.executable, "-c", "print('boom: bad flag'); raise SystemExit(3)"]
 
-    p = Crashing(make_cfg(tmp_path), 1)
+    p = Crashing(make_cfg(tmp_path), 1, tmp_path, tmp_path / "run")
     p.start()
     with pytest.raises(EngineError, match="exited during start-up(.|\n)*boom: bad flag"):
         p.wait_ready()
@@ -81,7 +79,8 @@ def test_engine_dies_with_the_process_that_started_it(tmp_path, how):
         sys.path.insert(0, {str(__import__("pathlib").Path(__file__).resolve().parents[2])!r})
         from tests.rollout.test_engine_process import SleeperProcess, make_cfg
         from pathlib import Path
-        p = SleeperProcess(make_cfg(Path({str(tmp_path)!r})), 0)
+        p = SleeperProcess(make_cfg(Path({str(tmp_path)!r})), 0, Path({str(tmp_path)!r}),
+                           Path({str(tmp_path)!r}) / "run")
         p.start()
         print(p.proc.pid, flush=True)
         import time; time.sleep(0.5)

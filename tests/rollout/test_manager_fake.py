@@ -21,10 +21,11 @@ def fakes():
     FakeEngineClient.registry = {}
 
 
-def make_manager(tmp_path, tasks=None, initial_version=0, **overrides) -> RolloutManager:
+def make_manager(
+    tmp_path, tasks=None, initial_version=0, group_size=1, **overrides
+) -> RolloutManager:
     kw = dict(
         engine_urls=["http://fake0", "http://fake1"],
-        run_dir=str(tmp_path),
         max_model_len=1024,
         max_tokens_per_action=16,
         trajectories_per_batch=4,
@@ -42,6 +43,8 @@ def make_manager(tmp_path, tasks=None, initial_version=0, **overrides) -> Rollou
         tasks,
         client_factory=FakeEngineClient,
         initial_version=initial_version,
+        run_dir=tmp_path,
+        group_size=group_size,
     )
 
 
@@ -70,7 +73,7 @@ def test_batches_versions_and_weight_sync_protocol(fakes, tmp_path):
 
 
 def test_grpo_groups_are_contiguous_and_complete(fakes, tmp_path):
-    with make_manager(tmp_path, trajectories_per_batch=8, grpo_group_size=4) as m:
+    with make_manager(tmp_path, trajectories_per_batch=8, group_size=4) as m:
         batch = m.get_batch(0, timeout=10)
     ids = [t.task_id for t in batch]
     assert ids[:4] == [ids[0]] * 4 and ids[4:] == [ids[4]] * 4 and ids[0] != ids[4]

@@ -29,7 +29,6 @@ TOL = 1e-4
 
 def config(tmp_path, **kw) -> RolloutConfig:
     base = dict(
-        model_path="unused",
         dtype="float32",
         max_model_len=2048,
         max_tokens_per_action=24,
@@ -38,7 +37,6 @@ def config(tmp_path, **kw) -> RolloutConfig:
         max_staleness=1,
         request_timeout_s=60.0,
         startup_timeout_s=120.0,
-        run_dir=str(tmp_path),
         seed=1234,
         temperature=0.8,
     )
@@ -77,7 +75,7 @@ def max_err(trajs, ref):
 def test_trajectories_masks_logprobs_versions_match_transformers(engines, tiny_models, tmp_path):
     fmt = make_formatter()
     cfg = config(tmp_path, engine_urls=[engines[0].url])
-    with RolloutManager(cfg, fmt, hanoi_tasks(4)) as m:
+    with RolloutManager(cfg, fmt, hanoi_tasks(4), run_dir=tmp_path) as m:
         batch = m.get_batch(train_version=0, timeout=120)
     assert sorted(t.task_id for t in batch) == [f"hanoi/{s}" for s in range(4)]
     items = []
@@ -103,10 +101,9 @@ def test_grpo_groups_sample_distinct_trajectories_per_task(engines, tmp_path):
         tmp_path,
         engine_urls=[engines[0].url],
         trajectories_per_batch=4,
-        grpo_group_size=2,
         max_tokens_per_action=12,
     )
-    with RolloutManager(cfg, make_formatter(), hanoi_tasks(2)) as m:
+    with RolloutManager(cfg, make_formatter(), hanoi_tasks(2), run_dir=tmp_path, group_size=2) as m:
         batch = m.get_batch(0, timeout=120)
     assert [t.task_id for t in batch][::2] == [t.task_id for t in batch][1::2]
     assert sorted({t.task_id for t in batch}) == ["hanoi/0", "hanoi/1"]
@@ -179,7 +176,9 @@ def test_weight_sync_changes_outputs_exactly_as_new_weights(engines, tiny_models
                 raise AssertionError(f"the long request ended before the sync: {fut.result()}")
             time.sleep(0.01)
 
-    with RolloutManager(cfg, fmt, [Task(task_id="c0", make_env=CountEnv, seed=0)]) as m:
+    with RolloutManager(
+        cfg, fmt, [Task(task_id="c0", make_env=CountEnv, seed=0)], run_dir=tmp_path
+    ) as m:
         m.get_batch(0, timeout=120)
         # an action in flight during the sync: its tokens switch version at the pause
         fut = asyncio.run_coroutine_threadsafe(long_generation(m.clients[0]), m._loop)
@@ -215,7 +214,7 @@ def test_staleness_bound_holds_under_a_slow_trainer(engines, tiny_models, tmp_pa
     )
     weights = [load_file(tiny_models[i] / "model.safetensors") for i in (0, 1)]
     lags = []
-    with RolloutManager(cfg, fmt, hanoi_tasks(200)) as m:
+    with RolloutManager(cfg, fmt, hanoi_tasks(200), run_dir=tmp_path) as m:
         for step in range(4):
             batch = m.get_batch(train_version=step, timeout=120)
             lags += [step - t.min_policy_version for t in batch]
@@ -241,7 +240,7 @@ def test_two_engines_share_uniform_load(engines, tmp_path):
         Task(task_id=f"u{i}", make_env=lambda: CountEnv(max_len=1), seed=0)
         for i in itertools.count()
     )
-    with RolloutManager(cfg, fmt, tasks) as m:
+    with RolloutManager(cfg, fmt, tasks, run_dir=tmp_path) as m:
         m.get_batch(0, timeout=120)
         m.router.reset_stats()
         for _ in range(5):
@@ -261,7 +260,7 @@ def test_killed_engine_is_restarted_and_loses_no_task(engines, tiny_models, tmp_
     fmt = make_formatter()
     cfg = config(tmp_path, max_staleness=100, max_engine_restarts=1, max_tokens_per_action=24)
     n = 16
-    with RolloutManager(cfg, fmt, hanoi_tasks(n), processes=engines) as m:
+    with RolloutManager(cfg, fmt, hanoi_tasks(n), processes=engines, run_dir=tmp_path) as m:
         m.publish_weights(load_file(tiny_models[1] / "model.safetensors"), version=1)
         got = m.get_batch(1, timeout=120)
         os.killpg(engines[1].proc.pid, signal.SIGKILL)  # dies with requests in flight

@@ -24,11 +24,11 @@ class CheckpointConfig:
             load); larger files are checked by size only. 0 disables hashing.
 
     Saving is synchronous (the former ``async_save`` field could only be False and was removed;
-    `REMOVED_FIELDS` makes the old key a clear error).
+    `MOVED_FIELDS` makes the old key a clear error).
     """
 
-    REMOVED_FIELDS: ClassVar[dict[str, str]] = {
-        "async_save": "saving is synchronous (asynchronous saving was never implemented); "
+    MOVED_FIELDS: ClassVar[dict[str, str]] = {
+        "async_save": "was removed: saving is synchronous (asynchronous saving was never implemented); "
         "delete the key",
     }
 
