@@ -73,6 +73,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from sao_megatron.parallel import destroy_parallel, initialize_parallel
     from sao_megatron.trainer.controller import Controller
     from sao_megatron.trainer.report import final_report
+    from sao_megatron.trainer.signals import StoppedBySignal, install
+
+    install()  # [signals] SIGTERM/SIGUSR1: finish the step, checkpoint, exit 0
 
     Path(job.run_dir).mkdir(parents=True, exist_ok=True)
     parallel = initialize_parallel(job.parallel)
@@ -82,6 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = Controller(job, parallel).run()
         if parallel.rank == 0:
             print(final_report(job, summary))
+    except StoppedBySignal as stop:  # [signals] engines already stopped by the controller
+        if parallel.rank == 0:
+            logging.getLogger("sao_megatron.trainer").info("%s", stop)
     finally:
         destroy_parallel(destroy_process_group=True)
     return 0

@@ -26,8 +26,8 @@ from sao_megatron.data.episode import EpisodeFormatter
 from sao_megatron.models import build_policy
 from sao_megatron.parallel.state import ParallelState
 from sao_megatron.rollout.manager import RolloutManager, Task
-from sao_megatron.trainer import runtime
-from sao_megatron.trainer.checkpoint import CheckpointManager, CommonState
+from sao_megatron.trainer import runtime, signals
+from sao_megatron.trainer.checkpoint import CheckpointManager, CommonState, step_dir_name
 from sao_megatron.trainer.evaluate import evaluate
 from sao_megatron.trainer.job import JobConfig
 from sao_megatron.trainer.metrics import (
@@ -175,12 +175,15 @@ class Controller:
                 )
                 step += 1
                 logger.log(step, m)
-                if mgr.should_save(step) or step == job.sft.steps:
+                stop = signals.stop_requested()  # [signals] any rank got SIGTERM/SIGUSR1
+                if stop or mgr.should_save(step) or step == job.sft.steps:
                     self._save(
                         mgr,
                         {"policy": state},
                         CommonState(train_step=step, data_cursor=sampler.state()),
                     )
+                if stop:  # [signals] saved at this step: exit 0, a restart resumes here
+                    raise signals.StoppedBySignal(step, mgr.save_dir / step_dir_name(step))
         if m:  # nothing ran when resuming a finished SFT stage
             self.summary["sft/final_loss"] = m["sft/loss"]
         return state.unwrapped
@@ -255,7 +258,8 @@ class Controller:
                     m |= self._publish(rollout, policy, version)
                 if job.rl.eval_interval and step % job.rl.eval_interval == 0:
                     m |= self._evaluate(rollout)
-                if mgr.should_save(step) or step == job.rl.steps:
+                stop = signals.stop_requested()  # [signals] any rank got SIGTERM/SIGUSR1
+                if stop or mgr.should_save(step) or step == job.rl.steps:
                     with timer.phase("checkpoint"):
                         self._save_rl(mgr, states, step, version, pretrain_done)
                 times = timer.summary()
@@ -270,6 +274,8 @@ class Controller:
                 )
                 m |= _rollout_metrics(rollout.stats()) if rollout else {}
                 logger.log(step, m)
+                if stop:  # [signals] saved at this step; rl_stage's finally stops the engines
+                    raise signals.StoppedBySignal(step, mgr.save_dir / step_dir_name(step))
         if out_of_time and not (mgr.should_save(step) or step == job.rl.steps):  # budget ended it
             self._save_rl(mgr, states, step, version, pretrain_done)
         runtime.export_policy_hf(
