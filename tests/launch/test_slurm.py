@@ -2,7 +2,7 @@
 
 Starts the cluster with tools/slurm_local_setup.sh (root; installs Debian's packages) or uses
 one that answers already. One job, submitted unchanged with small overrides (SFT 10 steps,
-value pre-training 1, RL 8 with vLLM): once RL has logged two steps, the test sends the job's
+value pre-training 1, RL 10 with vLLM): once RL has logged two steps, the test sends the job's
 batch shell USR1 (what `--signal=B:USR1@300` sends before a time limit). The trainer must finish
 its step, save a checkpoint at that step (save_interval=100 would never save there), exit 0,
 the job requeue itself and the second start resume from that checkpoint: every SFT and RL step
@@ -23,7 +23,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SETUP = ROOT / "tools" / "slurm_local_setup.sh"
 SBATCH = ROOT / "launch_scripts" / "train_slurm.sbatch"
-SFT_STEPS, RL_STEPS = 10, 8
+SFT_STEPS, RL_STEPS = 10, 10
 OVERRIDES = [
     f"sft.steps={SFT_STEPS}",
     "value_pretrain.steps=1",
@@ -86,7 +86,9 @@ def _steps(path: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
 
 
-def _wait(what: str, cond, job_id: str, out_file: Path, timeout_s: float) -> dict[str, str]:
+def _wait(
+    what: str, cond, job_id: str, out_file: Path, timeout_s: float, poll_s: float = 3.0
+) -> dict[str, str]:
     """Poll until cond(job fields) is true; fail naming the .out file when the job ended
     otherwise or time ran out."""
     t0 = time.monotonic()
@@ -102,7 +104,7 @@ def _wait(what: str, cond, job_id: str, out_file: Path, timeout_s: float) -> dic
                 f"job {job_id} still {state} after {timeout_s:.0f} s waiting for {what}; "
                 f"see {out_file}"
             )
-        time.sleep(3)
+        time.sleep(poll_s)
 
 
 @pytest.mark.timeout(3600)
@@ -121,7 +123,7 @@ def test_sbatch_job_runs_and_resumes_from_the_signal_checkpoint(slurm_cluster, t
     out_file = tmp_path / f"slurm-{job_id}.out"
     rl_metrics = run_dir / "rl" / "metrics.jsonl"
     try:
-        _wait("RL step 2", lambda j: len(_steps(rl_metrics)) >= 2, job_id, out_file, 2400)
+        _wait("RL step 2", lambda j: len(_steps(rl_metrics)) >= 2, job_id, out_file, 2400, 1.0)
         t_signal = time.monotonic()
         signalled_after = max(_steps(rl_metrics))
         subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
