@@ -172,3 +172,41 @@ def test_sbatch_job_runs_and_resumes_from_the_signal_checkpoint(slurm_cluster, t
     assert summary["rl/steps_done"] == RL_STEPS
     assert not (run_dir / ".stop_request").exists()
     assert not (run_dir / ".stop_request.consumed").exists()
+
+
+@pytest.mark.timeout(1800)
+def test_scancel_during_sft_saves_that_step_and_does_not_requeue(slurm_cluster, tmp_path):
+    """`scancel` (SIGTERM to every process of the job): the ranks finish the SFT step, save it,
+    exit 0, and the batch shell does not requeue a cancelled job. SFT only: no engines."""
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SAO_"))}
+    env |= {"RUN_DIR": str(run_dir)}
+    sub = subprocess.run(
+        ["sbatch", "--parsable", "--job-name=sao-slurm-cancel", f"--output={tmp_path}/slurm-%j.out",
+         str(SBATCH), "stages=[sft]", "sft.steps=500", "checkpoint.save_interval=1000",
+         "logging.tensorboard=false"],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert sub.returncode == 0, sub.stderr
+    job_id = sub.stdout.strip().split(";")[0]
+    out_file = tmp_path / f"slurm-{job_id}.out"
+    sft_metrics = run_dir / "sft" / "metrics.jsonl"
+    try:
+        _wait("SFT step 3", lambda j: len(_steps(sft_metrics)) >= 3, job_id, out_file, 1200, 1.0)
+        at_cancel = max(_steps(sft_metrics))
+        subprocess.run(["scancel", job_id], check=True)
+        job = _wait("the job to end", lambda j: j.get("JobState") in ENDED, job_id, out_file, 600)
+    finally:
+        if _job(job_id).get("JobState") not in (*ENDED, None):
+            subprocess.run(["scancel", "--signal=KILL", job_id], check=False)
+    log = out_file.read_text()
+    print(f"\nslurm job {job_id}: scancel at SFT step {at_cancel}; {out_file}")
+    assert job["JobState"] == "CANCELLED" and job["Restarts"] == "0"
+    stopped = [line for line in log.splitlines() if "stopped by signal at step" in line]
+    assert len(stopped) == 1, f"no 'stopped by signal' line in {out_file}"
+    stop_step = int(stopped[0].split("stopped by signal at step ")[1].split(";")[0])
+    assert at_cancel <= stop_step < 500
+    assert (run_dir / "checkpoints" / "sft" / f"step_{stop_step:08d}").is_dir()
+    assert _steps(sft_metrics) == list(range(1, stop_step + 1))
+    assert "job is CANCELLED: no requeue" in log
+    assert "Traceback" not in log, f"a traceback in {out_file}"
