@@ -208,5 +208,5 @@ def test_scancel_during_sft_saves_that_step_and_does_not_requeue(slurm_cluster, 
     assert at_cancel <= stop_step < 500
     assert (run_dir / "checkpoints" / "sft" / f"step_{stop_step:08d}").is_dir()
     assert _steps(sft_metrics) == list(range(1, stop_step + 1))
-    assert "job is CANCELLED: no requeue" in log
+    assert "the trainer saved and stopped on TERM: no requeue" in log
     assert "Traceback" not in log, f"a traceback in {out_file}"
