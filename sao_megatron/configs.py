@@ -4,8 +4,8 @@ Every component owns a small ``@dataclass(kw_only=True)`` validated in ``__post_
 config only composes them. This module turns ``CONFIG.yaml`` plus dotted CLI overrides
 (``algorithm.value_updates_per_policy_update=2``) into that typed object, and turns OmegaConf's
 errors into messages that name the field and the fix: an unknown key gets the closest field
-names (difflib), a moved or removed key (a class's ``MOVED_FIELDS``) says where it went, and a value a
-reused component rejects is reported under the section it sits in (``sft.optim.lr``, not the
+names (difflib), a moved or removed key (a class's ``MOVED_FIELDS``) says where it went, and a
+value a reused component rejects is reported under the section it sits in (``sft.optim.lr``, not the
 component's generic ``optimizer.lr``; see ``CONFIG_SECTION``).
 """
 

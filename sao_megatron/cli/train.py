@@ -78,6 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from sao_megatron.trainer.checkpoint import CheckpointError
     from sao_megatron.trainer.controller import Controller
     from sao_megatron.trainer.report import final_report
+    from sao_megatron.trainer.signals import StoppedBySignal, install
+
+    install()  # [signals] SIGTERM/SIGUSR1: finish the step, checkpoint, exit 0
 
     Path(job.run_dir).mkdir(parents=True, exist_ok=True)
     parallel = initialize_parallel(job.parallel)
@@ -88,6 +91,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(final_report(job, summary))
     except CheckpointError as e:  # raised on every rank together (the manager broadcasts it)
         checkpoint_error = str(e)
+    except StoppedBySignal as stop:  # [signals] engines already stopped by the controller
+        if parallel.rank == 0:
+            logging.getLogger("sao_megatron.trainer").info("%s", stop)
     finally:
         destroy_parallel(destroy_process_group=True)
     if checkpoint_error is not None:

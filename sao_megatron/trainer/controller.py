@@ -33,8 +33,8 @@ from sao_megatron.models import build_policy
 from sao_megatron.parallel.collectives import broadcast_from_last_stage, broadcast_from_rank0
 from sao_megatron.parallel.state import ParallelState
 from sao_megatron.rollout.manager import RolloutManager, Task
-from sao_megatron.trainer import runtime
-from sao_megatron.trainer.checkpoint import CheckpointManager, CommonState
+from sao_megatron.trainer import runtime, signals
+from sao_megatron.trainer.checkpoint import CheckpointManager, CommonState, step_dir_name
 from sao_megatron.trainer.evaluate import evaluate
 from sao_megatron.trainer.job import JobConfig, TasksConfig
 from sao_megatron.trainer.metrics import (
@@ -261,12 +261,15 @@ class Controller:
                 )
                 step += 1
                 logger.log(step, m)
-                if mgr.should_save(step) or step == job.sft.steps:
+                stop = signals.stop_requested()  # [signals] any rank got SIGTERM/SIGUSR1
+                if stop or mgr.should_save(step) or step == job.sft.steps:
                     self._save(
                         mgr,
                         {"policy": state},
                         CommonState(train_step=step, data_cursor=sampler.state()),
                     )
+                if stop:  # [signals] saved at this step: exit 0, a restart resumes here
+                    raise signals.StoppedBySignal(step, mgr.save_dir / step_dir_name(step))
         if m:  # nothing ran when resuming a finished SFT stage
             self.summary["sft/final_loss"] = m["sft/loss"]
         return state.unwrapped
@@ -367,9 +370,18 @@ class Controller:
                 m |= _episode_metrics(batch) | mem | {"time/rl_elapsed_s": elapsed}
                 m |= self._step_metrics(batch, timer.summary(), rl.rollout)
                 logger.log(run.step, m)
-                if rl.checkpoints.should_save(run.step) or run.step == job.rl.steps or out_of_time:
+                stop = signals.stop_requested()  # any rank got SIGTERM/SIGUSR1 (or the stop file)
+                if (
+                    stop
+                    or out_of_time
+                    or rl.checkpoints.should_save(run.step)
+                    or (run.step == job.rl.steps)
+                ):
                     with timer.phase("checkpoint"):  # logged with the next step
                         self._save_rl(rl)
+                if stop:  # saved at this step; rl_stage's finally stops the engines
+                    ckpt = rl.checkpoints.save_dir / step_dir_name(run.step)
+                    raise signals.StoppedBySignal(run.step, ckpt)
         return m
 
     def _finish_rl(self, rl: RLParts, m: dict[str, float]) -> None:

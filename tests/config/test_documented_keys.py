@@ -84,9 +84,6 @@ NOT_KEYS = {
 # Wrong keys in files owned elsewhere: "file:key" -> the right key. The lead empties this set
 # when the files are fixed; the test fails if one of them is fixed or a new wrong key appears.
 KNOWN_WRONG = {
-    # usage comments: there is no such field; the TP size is parallel.tp
-    "launch_scripts/train_local.sh:parallel.tensor_model_parallel_size": "parallel.tp",
-    "launch_scripts/train_slurm.sbatch:parallel.tensor_model_parallel_size": "parallel.tp",
     # pack_trajectories' row-too-long error: the context mode lives in the episode section
     "sao_megatron/data/batch.py:rollout.context_mode": "episode.context_mode",
     # check_freeze_patterns' error: the value model's patterns are value.freeze_patterns

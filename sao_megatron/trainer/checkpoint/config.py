@@ -28,8 +28,8 @@ class CheckpointConfig:
     """
 
     MOVED_FIELDS: ClassVar[dict[str, str]] = {
-        "async_save": "was removed: saving is synchronous (asynchronous saving was never implemented); "
-        "delete the key",
+        "async_save": "was removed: saving is synchronous (asynchronous saving was never "
+        "implemented); delete the key",
     }
 
     save_dir: str = "checkpoints"
