@@ -46,6 +46,10 @@ class ActionNode:
         context_token_ids: the full prompt the engine saw, only in "window" context mode (None in
             "full_history" mode, where the prompt is the trajectory prefix).
         action_text: decoded action, kept for logs and debugging.
+        truncated: the engine cut this action at its token budget (vLLM ``finish_reason ==
+            "length"``) before a stop token: it was not passed to the environment (reward 0)
+            and ended the episode, which is then `Trajectory.truncated` (GAE bootstraps from V
+            of the state after it). Only the last node can be truncated.
     """
 
     observation_token_ids: list[int]
@@ -55,6 +59,7 @@ class ActionNode:
     reward: float = 0.0
     context_token_ids: list[int] | None = None
     action_text: str = ""
+    truncated: bool = False
 
     def validate(self, where: str = "ActionNode") -> None:
         """Raise ValueError naming the field if the node is inconsistent or holds NaN/inf."""
@@ -134,6 +139,12 @@ class Trajectory:
             raise ValueError(f"Trajectory.temperature={self.temperature}: must be > 0")
         for i, node in enumerate(self.nodes):
             node.validate(where=f"Trajectory[{self.task_id!r}].nodes[{i}]")
+            if node.truncated and (i != len(self.nodes) - 1 or not self.truncated):
+                raise ValueError(
+                    f"Trajectory[{self.task_id!r}].nodes[{i}].truncated: an action cut at its "
+                    "token budget ends the episode, so it must be the last node of a "
+                    "truncated trajectory"
+                )
             if self.context_mode == "window" and node.context_token_ids is None:
                 raise ValueError(
                     f"Trajectory[{self.task_id!r}].nodes[{i}].context_token_ids is None in "

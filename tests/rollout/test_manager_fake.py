@@ -10,7 +10,13 @@ import torch
 
 from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.manager import RolloutManager, Task, round_robin_tasks
-from tests.rollout.fakes import CountEnv, FakeEngine, FakeEngineClient, make_formatter
+from tests.rollout.fakes import (
+    CountEnv,
+    FakeEngine,
+    FakeEngineClient,
+    make_formatter,
+    short_long_tasks,
+)
 
 
 @pytest.fixture
@@ -61,7 +67,7 @@ def test_batches_versions_and_weight_sync_protocol(fakes, tmp_path):
         seen_new = False
         for step in range(1, 4):
             batch = m.get_batch(train_version=step, timeout=10)
-            assert all(step - t.min_policy_version <= 1 for t in batch)
+            assert all(step - t.max_policy_version <= 1 for t in batch)
             seen_new |= any(t.max_policy_version == 1 for t in batch)
             m.publish_weights({"w": torch.full((2,), float(step))}, version=step + 1)
         assert seen_new
@@ -83,7 +89,7 @@ def test_dead_engine_loses_no_task_and_counts_none_twice(fakes, tmp_path):
         tmp_path, tasks=finite_tasks(n, max_len=4), max_concurrent_episodes=8, max_staleness=100
     ) as m:
         for e in fakes:
-            e.token_latency_s = 0.01
+            e.token_latency_s = 0.002
         got = m.get_batch(0, timeout=10)
         fakes[1].mode = "dead"  # dies with requests in flight; no restart possible (remote)
         for _ in range(n // 4 - 1):
@@ -140,7 +146,7 @@ def test_staleness_bound_holds_under_a_slow_trainer(fakes, tmp_path):
         lags = []
         for step in range(5):
             batch = m.get_batch(train_version=step, timeout=20)
-            lags += [step - t.min_policy_version for t in batch]
+            lags += [step - t.max_policy_version for t in batch]
             time.sleep(0.3)  # slow trainer: the rollout would run far ahead without the rule
             m.publish_weights({"w": torch.zeros(1)}, version=step + 1)
             started = m.buffer.num_started()
@@ -161,3 +167,35 @@ def test_resumed_run_starts_at_its_version_and_counts_capacity_from_there(fakes,
         assert m.buffer.num_started() == 4
     assert all(v == 7 for t in batch for n in t.nodes for v in n.policy_versions)
     assert all(e.version == "7" for e in fakes)
+
+
+def test_long_episodes_are_not_starved_by_the_staleness_bound(fakes, tmp_path):
+    """Issue 19.1: one task in 8 lasts 150 turns (~5 trainer steps). With max_staleness=1 such
+    episodes used to be aborted as stale, requeued and finally dropped, so only the short ones
+    were trained (0 long of 80 here). Now they keep generating across versions and are trained
+    in proportion to the mix (minus the ones still running at the end); every trained
+    trajectory's newest token is within the bound (older ones are the trainer's to mask)."""
+    tasks = short_long_tasks(4000, long_every=8, long_steps=150)
+    with make_manager(
+        tmp_path,
+        tasks=tasks,
+        max_model_len=8192,
+        max_staleness=1,
+        trajectories_per_batch=4,
+        max_concurrent_episodes=16,
+    ) as m:
+        for e in fakes:
+            e.token_latency_s = 0.002
+        trained = []
+        for step in range(20):
+            batch = m.get_batch(train_version=step, timeout=60)
+            assert all(step - t.max_policy_version <= 1 for t in batch)
+            trained += batch
+            time.sleep(0.25)  # slow trainer: a long episode outlives several versions
+            m.publish_weights({"w": torch.zeros(1)}, version=step + 1)
+        counters = dict(m.counters)
+    long = [t for t in trained if t.task_id.startswith("long/")]
+    assert counters.get("failed_groups", 0) == 0 and counters.get("requeued_stale", 0) == 0
+    assert len(long) >= 3, (len(long), len(trained), counters)  # 1/8 of 80 = 10 in the mix
+    assert all(len(t.nodes) == 150 and t.terminated for t in long)
+    assert max(t.max_policy_version - t.min_policy_version for t in long) >= 2

@@ -218,7 +218,7 @@ def test_staleness_bound_holds_under_a_slow_trainer(engines, tiny_models, tmp_pa
     with RolloutManager(cfg, fmt, hanoi_tasks(200)) as m:
         for step in range(4):
             batch = m.get_batch(train_version=step, timeout=120)
-            lags += [step - t.min_policy_version for t in batch]
+            lags += [step - t.max_policy_version for t in batch]
             time.sleep(1.0)  # slow trainer
             assert m.buffer.num_started() <= (step + 1 + 1) * 4 + 4
             m.publish_weights(weights[(step + 1) % 2], version=step + 1)
