@@ -323,8 +323,11 @@ class EngineClient:
         seed: int | None = None,
         request_id: str | None = None,
         ignore_eos: bool = False,
+        top_k: int = 0,
     ) -> Generation:
         """Sample one action from token ids (``/inference/v1/generate``, tokens in and out).
+
+        ``top_k`` 0 sends vLLM's "off" explicitly, so no model default can truncate silently.
 
         Raises EngineError (engine down/hung/5xx) or MalformedReplyError (bad request or reply).
         """
@@ -332,6 +335,7 @@ class EngineClient:
             "max_tokens": max_tokens,
             "temperature": temperature,
             "top_p": top_p,
+            "top_k": top_k,
             "logprobs": 0,
             "detokenize": False,
             "stop_token_ids": list(stop_token_ids),
