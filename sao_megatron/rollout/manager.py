@@ -352,8 +352,10 @@ class RolloutManager:
         exhausted = False
         while not self._closing:
             self._wake.clear()
-            while self._inflight + g <= max(limit, g) and self.buffer.can_start(
-                self._engine_version(), base_version=self.initial_version
+            while (
+                self._fatal is None
+                and self._inflight + g <= max(limit, g)
+                and self.buffer.can_start(self._engine_version(), base_version=self.initial_version)
             ):
                 item = self._next_task()
                 if item is None:
@@ -409,7 +411,7 @@ class RolloutManager:
                 if not isinstance(bad[0], EpisodeError | EngineError):
                     raise bad[0]
                 self._failure_streak.append(bad[0])
-                if len(self._failure_streak) >= MAX_CONSECUTIVE_FAILURES:
+                if len(self._failure_streak) == MAX_CONSECUTIVE_FAILURES:
                     first = self._failure_streak[0]
                     self._fatal = RuntimeError(
                         f"{len(self._failure_streak)} episode groups in a row failed with no "

@@ -199,3 +199,51 @@ def test_long_episodes_are_not_starved_by_the_staleness_bound(fakes, tmp_path):
     assert len(long) >= 3, (len(long), len(trained), counters)  # 1/8 of 80 = 10 in the mix
     assert all(len(t.nodes) == 150 and t.terminated for t in long)
     assert max(t.max_policy_version - t.min_policy_version for t in long) >= 2
+
+
+class _BrokenEnv(CountEnv):
+    def reset(self, seed: int) -> str:
+        raise KeyError(f"no task for seed {seed}")
+
+
+def test_a_rollout_failing_every_episode_stops_with_the_first_error(fakes, tmp_path):
+    """Issue 19.5: instead of spinning (and flooding the log) until the trainer's timeout, the
+    rollout stops after MAX_CONSECUTIVE_FAILURES failed groups with no success in between."""
+    from sao_megatron.rollout.manager import MAX_CONSECUTIVE_FAILURES
+
+    tasks = (Task(task_id=f"b{i}", make_env=_BrokenEnv, seed=i) for i in range(10**6))
+    t0 = time.monotonic()
+    with make_manager(tmp_path, tasks=tasks) as m:
+        with pytest.raises(RuntimeError, match=r"16 episode groups in a row failed") as e:
+            m.get_batch(0, timeout=60)
+        assert MAX_CONSECUTIVE_FAILURES == 16
+        assert "the first error: EpisodeError: b0: env.reset(0) raised KeyError" in str(e.value)
+        assert MAX_CONSECUTIVE_FAILURES <= m.counters["failed_groups"] < 40
+    assert time.monotonic() - t0 < 20
+
+
+def test_occasional_failures_do_not_stop_the_rollout(fakes, tmp_path):
+    tasks = [
+        Task(task_id=f"t{i}", make_env=(_BrokenEnv if i % 2 else CountEnv), seed=i)
+        for i in range(200)
+    ]
+    with make_manager(tmp_path, tasks=tasks, max_staleness=100) as m:
+        for _ in range(5):
+            assert len(m.get_batch(0, timeout=30)) == 4
+        assert m.counters["failed_groups"] >= 16  # more failures than the limit, interleaved
+
+
+def test_get_batch_timeout_reports_the_time_waited_and_the_counts(fakes, tmp_path):
+    """Issue 19.5: the message used to give the last 1-second poll's time ("after 0.69 s")."""
+    with make_manager(tmp_path, request_timeout_s=60.0) as m:
+        for e in fakes:
+            e.mode = "hang"
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError) as e:
+            m.get_batch(0, timeout=2.5)
+        waited = time.monotonic() - t0
+    msg = str(e.value)
+    assert 2.4 <= waited < 4.0
+    assert "no batch of 4 trajectories at train_version=0 after 2.5 s" in msg
+    assert "0 admissible ready, 8 episodes in flight, 0 trajectories finished" in msg
+    assert "0 groups failed" in msg and "2/2 engines healthy" in msg
