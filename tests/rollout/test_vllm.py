@@ -164,6 +164,10 @@ def _trainer_logprobs(model_dir, items, parallel, *, temperature, top_p):
     from sao_megatron.models.forward import ModelInputs, compute_policy_logprobs
 
     config = read_hf_config(model_dir)
+    # transformers 5 (the vLLM venv's, which wrote the checkpoint) names the expert count
+    # num_local_experts and nests rope_theta; the converter reads the 4.x names
+    config.setdefault("num_experts", config.get("num_local_experts"))
+    config.setdefault("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta"))
     (model,) = build_policy(model_config_from_hf(config), parallel)
     with HFCheckpointReader(model_dir) as reader:
         load_hf_into_model(model, reader, ConversionSpec.from_hf_config(config))
