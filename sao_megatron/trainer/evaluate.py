@@ -17,7 +17,7 @@ from sao_megatron.data.episode import EpisodeFormatter
 from sao_megatron.envs.base import EnvSpec
 from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.engine import EngineClient
-from sao_megatron.rollout.runner import EpisodeError, run_episode
+from sao_megatron.rollout.runner import EpisodeError, run_episode, sample_action, stop_token_ids
 
 log = logging.getLogger("sao_megatron.eval")
 
@@ -54,19 +54,19 @@ def evaluate(
     async def main() -> dict[str, float]:
         clients = [EngineClient(u, f"eval{i}", cfg.request_timeout_s) for i, u in enumerate(urls)]
         sem = asyncio.Semaphore(max_concurrency)
-        stop_ids = sorted(set(formatter.stop_token_ids) | set(cfg.stop_token_ids))
+        stop_ids = stop_token_ids(formatter, cfg)
 
         async def one(k: int, spec: EnvSpec, seed: int):
             client = clients[k % len(clients)]
 
             async def generate(episode_id, prompt_ids, max_tokens, req_seed):
-                return await client.generate(
+                return await sample_action(
+                    client,
                     prompt_ids,
                     max_tokens=max_tokens,
-                    temperature=cfg.temperature,
-                    top_p=cfg.top_p,
-                    stop_token_ids=stop_ids,
                     seed=req_seed,
+                    config=cfg,
+                    stop_ids=stop_ids,
                 )
 
             async with sem:
