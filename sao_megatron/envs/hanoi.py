@@ -37,7 +37,9 @@ goal position). Later observations are the pegs only (not the history).
 Rewards. `success_reward` (1.0) when the goal is reached within `max_steps`
 (= ceil(`max_steps_factor` * H)); a malformed or illegal action gives `invalid_action_reward`
 (0.0) and ends the episode (or, with `invalid_action_ends_episode=False`, leaves the state
-unchanged and the episode continues); running out of steps truncates with reward 0. With the
+unchanged and the episode continues); running out of steps truncates with reward 0 (or, with
+``budget_end: terminate``, ends the episode as terminated: the budget is a rule of the task, so
+the failed episode's value is 0 and GAE must not bootstrap from the critic). With the
 defaults, reward 1 <=> reasoning-gym's `tower_of_hanoi` scorer gives 1.0 to the full move list
 (the k prefix moves + the agent's moves), see `reasoning_gym_entry` / `reasoning_gym_answer`
 (canonical start only).
@@ -117,6 +119,10 @@ class HanoiConfig:
             "pareto" (median `horizon`, tail index `horizon_shape`): H drawn per episode.
         horizon_shape: the lognormal sigma or the Pareto alpha (> 0).
         max_horizon: cap on a drawn H (>= horizon); default 10 * horizon.
+        budget_end: "truncate" (running out of steps is a truncation: GAE bootstraps from V) or
+            "terminate" (it is a terminal failure with value 0: the budget is part of the task).
+        show_moves_left: add "Moves left: k" (the remaining step budget) to every observation,
+            so a critic that sees only a window of the episode can tell a lost position.
     """
 
     horizon: int = 50
@@ -136,6 +142,8 @@ class HanoiConfig:
     horizon_distribution: str = "fixed"
     horizon_shape: float = 1.0
     max_horizon: int | None = None
+    budget_end: str = "truncate"
+    show_moves_left: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.horizon, int) and self.horizon >= 1):
@@ -171,6 +179,8 @@ class HanoiConfig:
             raise ValueError(f"hanoi.reward_mode={self.reward_mode!r}: use 'success' or 'progress'")
         if self.instructions not in ("full", "short"):
             raise ValueError(f"hanoi.instructions={self.instructions!r}: use 'full' or 'short'")
+        if self.budget_end not in ("truncate", "terminate"):
+            raise ValueError(f"hanoi.budget_end={self.budget_end!r}: use 'truncate' or 'terminate'")
         if self.start not in ("canonical", "random"):
             raise ValueError(f"hanoi.start={self.start!r}: use 'canonical' or 'random'")
         if self.goal not in ("tower", "random"):
@@ -370,18 +380,18 @@ class HanoiEnv:
                     "never put a disk on a smaller one. Reply with exactly one move, e.g. "
                     f"{lab[0]}->{lab[2]}."
                 )
-            return f"{head}\nGoal:\n{self.render(self.goal)}\nNow:\n{self.render()}"
+            return f"{head}\nGoal:\n{self.render(self.goal)}\nNow:\n{self._observation()}"
         if cfg.instructions == "short":
             return (
                 f"Hanoi {self.num_disks} disks, goal peg {lab[self.target_peg]}, "
-                f"one move X->Y per turn.\n" + self.render()
+                f"one move X->Y per turn.\n" + self._observation()
             )
         return (
             f"Tower of Hanoi: {self.num_disks} disks on pegs {lab[0]}, {lab[1]}, {lab[2]}. "
             f"Move all disks to peg {lab[self.target_peg]}. Disks are numbered by size (1 is the "
             "smallest) and listed bottom to top. Move one top disk per turn; never put a disk on "
             f"a smaller one. Reply with exactly one move, e.g. {lab[0]}->{lab[2]}.\n"
-            + self.render()
+            + self._observation()
         )
 
     def render(self, state: State | None = None) -> str:
@@ -421,11 +431,8 @@ class HanoiEnv:
                 self.done = True
                 return StepResult(observation="", reward=reward, done=True, info=info)
             if self.num_steps >= self.max_steps:
-                self.done = True
-                return StepResult(
-                    observation="", reward=reward, done=False, truncated=True, info=info
-                )
-            return StepResult(observation=self.render(), reward=reward, done=False, info=info)
+                return self._out_of_budget(reward, info)
+            return StepResult(observation=self._observation(), reward=reward, done=False, info=info)
         self.state = apply_move(self.state, move)
         self.moves.append(move)
         before, self.distance = self.distance, self.remaining_optimal_moves()
@@ -440,9 +447,20 @@ class HanoiEnv:
             self.done = True
             return StepResult(observation="", reward=reward, done=True, info=info)
         if self.num_steps >= self.max_steps:
-            self.done = True
-            return StepResult(observation="", reward=reward, done=False, truncated=True, info=info)
-        return StepResult(observation=self.render(), reward=reward, done=False, info=info)
+            return self._out_of_budget(reward, info)
+        return StepResult(observation=self._observation(), reward=reward, done=False, info=info)
+
+    def _out_of_budget(self, reward: float, info: dict[str, Any]) -> StepResult:
+        """The step budget is spent without solving: truncated or terminated (`budget_end`)."""
+        self.done = True
+        end = self.config.budget_end == "terminate"
+        return StepResult(observation="", reward=reward, done=end, truncated=not end, info=info)
+
+    def _observation(self) -> str:
+        """The pegs, plus the remaining budget with `show_moves_left`."""
+        if self.config.show_moves_left:
+            return f"Moves left: {self.max_steps - self.num_steps}\n" + self.render()
+        return self.render()
 
     def _step_info(self, kind: str) -> dict[str, Any]:
         """Facts of this step: its kind, the running counts, distance/progress and identity."""

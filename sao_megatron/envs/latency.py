@@ -18,8 +18,8 @@ Build from config::
                               distribution: lognormal, median_s: 0.2, shape: 1.0, max_s: 5.0}}
 
 Distributions: `heavy_tail.sample_heavy_tailed` (lognormal or Pareto by median and shape, capped).
-Not registered by importing `sao_megatron.envs`: import `sao_megatron.envs.latency` first (or
-add it to the package's imports) to build ``name: latency`` from config.
+Not registered on import: call `sao_megatron.envs.latency.register()` (the package's
+``__init__`` should, once `show all` and its test count it) to build ``name: latency``.
 """
 
 from __future__ import annotations
@@ -130,7 +130,6 @@ async def astep(env: Any, action: str) -> StepResult:
     return await asyncio.to_thread(env.step, action)
 
 
-@register_env("latency")
 def make_latency_env(env: dict | EnvSpec | None = None, **options: Any) -> LatencyEnv:
     """Registry factory: `env` is the wrapped environment's EnvSpec (or its dict form
     ``{name, options}``; default a 3-move Hanoi, for `show all`); the other options fill
@@ -142,3 +141,12 @@ def make_latency_env(env: dict | EnvSpec | None = None, **options: Any) -> Laten
     spec = env if isinstance(env, EnvSpec) else EnvSpec(**env)
     config = config_from_options(LatencyConfig, options, "latency")
     return LatencyEnv(spec.build(), config)
+
+
+def register() -> None:
+    """Register `make_latency_env` as environment "latency" (idempotent). Not done on import, so
+    importing this module leaves `registered_envs()` unchanged."""
+    from sao_megatron.envs.base import _REGISTRY
+
+    if _REGISTRY.get("latency") is not make_latency_env:
+        register_env("latency")(make_latency_env)
