@@ -623,3 +623,27 @@ def puzzle_overlap(
         "fraction_seen_exact": seen_id / n,
         "fraction_seen_class": seen_class / n,
     }
+
+
+def move_error_rates(infos: list[dict[str, Any]]) -> dict[str, float]:
+    """Per-move error rates pooled over episodes, from each episode's final step info.
+
+    Returns {} when no info carries the move counts (not a Hanoi episode), else
+    ``illegal_move_rate`` = (illegal + malformed) / moves played, ``non_optimal_move_rate`` =
+    legal non-optimal / moves played, ``malformed_action_rate`` = malformed / moves played and
+    ``num_moves`` (moves played = every step, bad ones included). Pooling (total errors / total
+    moves) is the maximum-likelihood per-move hazard when errors are independent per move; with
+    ``invalid_action_ends_episode`` each episode has at most one illegal/malformed step, so the
+    rate is 1 / (mean moves before the first error).
+    """
+    rows = [i for i in infos if "num_optimal_moves" in i]
+    if not rows:
+        return {}
+    moves = sum(int(i["num_steps"]) for i in rows)
+    bad = sum(int(i["num_illegal_moves"]) + int(i["num_malformed_actions"]) for i in rows)
+    return {
+        "illegal_move_rate": bad / max(moves, 1),
+        "non_optimal_move_rate": sum(int(i["num_non_optimal_moves"]) for i in rows) / max(moves, 1),
+        "malformed_action_rate": sum(int(i["num_malformed_actions"]) for i in rows) / max(moves, 1),
+        "num_moves": float(moves),
+    }

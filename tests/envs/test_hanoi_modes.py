@@ -258,3 +258,33 @@ def test_budget_end_terminate_and_moves_left():
     assert results["terminate"] == (0.0, True, False, False, True)
     with pytest.raises(ValueError, match="hanoi.budget_end"):
         HanoiConfig(budget_end="stop")
+
+
+def test_move_error_rates_pool_final_infos():
+    from sao_megatron.envs.hanoi import move_error_rates
+
+    env = HanoiEnv(horizon=6, max_steps_factor=3.0)
+    finals = []
+    env.reset(0)  # optimal, non-optimal, then illegal: 3 moves
+    env.step(env.gold_action())
+    wrong = [m for m in legal_moves(env.state) if env.format_move(m) != env.gold_action()][0]
+    env.step(env.format_move(wrong))
+    bad = next(
+        f"{a}->{b}"
+        for a in "ABC"
+        for b in "ABC"
+        if a != b and env.parse_action(f"{a}->{b}") not in legal_moves(env.state)
+    )
+    finals.append(env.step(bad).info)
+    env.reset(1)  # solved: 6 optimal moves
+    finals.append(_play_gold(env)[1][-1])
+    env.reset(2)  # malformed first move
+    finals.append(env.step("nonsense").info)
+    rates = move_error_rates(finals + [{"success": True}])  # a non-Hanoi info is ignored
+    assert rates == {
+        "illegal_move_rate": 2 / 10,
+        "non_optimal_move_rate": 1 / 10,
+        "malformed_action_rate": 1 / 10,
+        "num_moves": 10.0,
+    }
+    assert move_error_rates([{"success": False}]) == {}
