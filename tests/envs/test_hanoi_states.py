@@ -110,16 +110,17 @@ def test_sample_state_at_distance_is_uniform_and_exact():
         sample_state_at_distance(3, 8, 0, rng)
 
 
-def test_sample_pair_at_distance_is_uniform_over_all_pairs():
-    n, d = 3, 5
+@pytest.mark.parametrize("n, d, count", [(3, 5, 126), (3, 2, 96), (4, 3, 408)])
+def test_sample_pair_at_distance_is_uniform_over_all_pairs(n, d, count):
+    """(3, 5): the top disk always differs; (3, 2), (4, 3): several largest differing disks."""
     pairs = {(a, b) for a in _states(n) for b in _states(n) if distance_between(a, b) == d}
-    assert len(pairs) == num_pairs_at_distance(n, d) == 126
+    assert len(pairs) == num_pairs_at_distance(n, d) == count
     rng = random.Random(1)
-    draws = collections.Counter(sample_pair_at_distance(n, d, rng) for _ in range(126 * 100))
+    draws = collections.Counter(sample_pair_at_distance(n, d, rng) for _ in range(count * 100))
     assert set(draws) == pairs
     assert all(50 <= c <= 150 for c in draws.values()), min(draws.values())  # 100 +- 5 sd
     chi2 = sum((c - 100) ** 2 / 100 for c in draws.values())
-    assert chi2 < 200  # 125 degrees of freedom: mean 125, sd 16
+    assert chi2 < count + 6 * (2 * count) ** 0.5  # count - 1 degrees of freedom: mean + 6 sd
 
 
 @pytest.mark.parametrize("n, d", [(6, 50), (7, 50), (9, 500), (10, 500), (10, 1)])
