@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from sao_megatron.data.episode import EpisodeFormatter
 from sao_megatron.data.trajectory import Trajectory
+from sao_megatron.envs.latency import astep
 from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.engine import EngineClient, EngineError, Generation, MalformedReplyError
 
@@ -157,8 +158,8 @@ async def run_episode(
                 else "max_model_len"
             )
             break
-        try:
-            result = env.step(action_text)
+        try:  # an async env's astep, or its blocking step in a worker thread: other episodes go on
+            result = await astep(env, action_text)
         except Exception as e:
             raise EpisodeError(f"{task_id}: env.step raised {type(e).__name__}: {e}") from e
         builder.add_action(gen.token_ids, logprobs, gen.policy_versions, float(result.reward))

@@ -15,6 +15,7 @@ import random
 
 from sao_megatron.data.episode import EpisodeFormatter
 from sao_megatron.envs.base import EnvSpec
+from sao_megatron.envs.hanoi import move_error_rates
 from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.engine import EngineClient
 from sao_megatron.rollout.runner import EpisodeError, run_episode, sample_action, stop_token_ids
@@ -115,6 +116,8 @@ def _summarise(results, names, threshold) -> dict[str, float]:
             out[f"eval/{name}/mean_progress"] = mean
             var = sum((x - mean) ** 2 for x in full) / max(len(full) - 1, 1)
             out[f"eval/{name}/progress_se"] = math.sqrt(var / len(full))
+        finals = [t.info for t in trajs if t is not None]  # the last step's info: episode totals
+        out |= {f"eval/{name}/{k}": v for k, v in move_error_rates(finals).items()}
         rate = sum(solved) / max(len(trajs), 1)
         rates.append(rate)
         out[f"eval/{name}/success_rate"] = rate

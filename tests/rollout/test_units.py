@@ -342,3 +342,43 @@ def test_runner_action_cut_at_its_token_budget_truncates_the_episode():
     t.nodes[0].truncated = True  # only the last node can be the cut one
     with pytest.raises(ValueError, match=r"nodes\[0\].truncated"):
         t.validate()
+
+
+class _SlowCountEnv(CountEnv):
+    """CountEnv whose step blocks for `delay_s` (a tool call, a sandbox command)."""
+
+    def __init__(self, delay_s: float, **kw) -> None:
+        super().__init__(**kw)
+        self.delay_s = delay_s
+
+    def step(self, action):
+        time.sleep(self.delay_s)
+        return super().step(action)
+
+
+def test_runner_slow_blocking_env_steps_do_not_block_other_episodes():
+    """8 episodes x 3 blocking steps of 0.2 s: concurrently they overlap (worker threads), so
+    they take well under the sequential time measured in the same test."""
+    fmt, cfg = make_formatter(), RolloutConfig(max_model_len=512, max_tokens_per_action=16)
+
+    async def one(i):
+        gen, _ = _fake_generate(versions=(0,))
+        env = _SlowCountEnv(0.2, max_len=3)
+        return await run_episode(
+            env=env, seed=2, task_id=f"count/{i}", formatter=fmt, generate=gen, config=cfg
+        )
+
+    async def sequential():
+        return [await one(i) for i in range(8)]
+
+    async def concurrent():
+        return await asyncio.gather(*[one(i) for i in range(8)])
+
+    t0 = time.perf_counter()
+    assert all(len(t.nodes) == 3 for t in asyncio.run(sequential()))
+    t_seq = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    assert all(len(t.nodes) == 3 for t in asyncio.run(concurrent()))
+    t_conc = time.perf_counter() - t0
+    assert t_seq >= 8 * 3 * 0.2
+    assert t_conc < 0.6 * t_seq, (t_conc, t_seq)  # >= 5 worker threads overlap on 2 cores
