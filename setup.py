@@ -22,6 +22,10 @@ INSTALL_REQUIRES = [
     "minigrid>=3.0,<3.3",  # BabyAI levels + expert bot (sao_megatron/envs/babyai.py), offline
     # convert tests (reference logits of tiny HF models) and HF tokenizers; <5: 5.x fuses MoE experts
     "transformers>=4.51,<5",
+    # GGUF de-quantisation of the real model (sao-convert fetch-smollm2): transformers'
+    # from_pretrained(gguf_file=...) needs gguf; accelerate for its low-memory loading path
+    "gguf>=0.10,<1",
+    "accelerate>=1.0,<2",
 ]
 
 EXTRAS = {

@@ -3,16 +3,20 @@
 Every component owns a small ``@dataclass(kw_only=True)`` validated in ``__post_init__``; a job
 config only composes them. This module turns ``CONFIG.yaml`` plus dotted CLI overrides
 (``algorithm.value_updates_per_policy_update=2``) into that typed object, and turns OmegaConf's
-errors into messages that name the field and the fix.
+errors into messages that name the field and the fix: an unknown key gets the closest field
+names (difflib), a moved or removed key (a class's ``MOVED_FIELDS``) says where it went, and a
+value a reused component rejects is reported under the section it sits in (``sft.optim.lr``, not the
+component's generic ``optimizer.lr``; see ``CONFIG_SECTION``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from pathlib import Path
 from typing import Any, TypeVar
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 T = TypeVar("T")
@@ -46,16 +50,76 @@ def load_config(schema: type[T], path: str | Path | None, overrides: list[str] =
     try:
         merged = OmegaConf.merge(base, *layers)
     except ConfigKeyError as e:
-        owner = getattr(e.object_type, "__name__", "the config dataclass")
-        raise ValueError(
-            f"unknown config key {e.full_key!r}: not a field of {owner}; check the spelling "
-            "against `sao-train --help`"
-        ) from None
+        raise ValueError(_unknown_key_message(e.object_type, e.key, e.full_key)) from None
     except ValidationError as e:
         raise ValueError(f"config field {e.full_key!r}: {e.msg.splitlines()[0]}") from None
     except OmegaConfBaseException as e:  # pragma: no cover - other OmegaConf failures
         raise ValueError(f"config error: {e}") from None
-    return OmegaConf.to_object(merged)  # runs each dataclass's __post_init__
+    try:
+        return OmegaConf.to_object(merged)  # runs each dataclass's __post_init__
+    except ValueError as e:
+        raise ValueError(_in_section(merged, str(e))) from None
+
+
+def _unknown_key_message(owner: Any, key: Any, full_key: str) -> str:
+    """'unknown config key 'rl.stpes': did you mean 'rl.steps'?' (difflib over the owner's
+    fields), or the migration of a key the owner lists in ``MOVED_FIELDS`` (old field -> "moved to
+    <new.key>" or "was removed: <why>")."""
+    name = getattr(owner, "__name__", "the config dataclass")
+    moved = getattr(owner, "MOVED_FIELDS", {})
+    if key in moved:
+        return f"config key {full_key!r} {moved[key]}"
+    prefix = full_key[: -len(str(key))] if full_key.endswith(str(key)) else ""
+    fields = [f.name for f in dataclasses.fields(owner)] if dataclasses.is_dataclass(owner) else []
+    close = difflib.get_close_matches(str(key), fields, n=3, cutoff=0.6)
+    hint = (
+        "did you mean " + " or ".join(repr(prefix + c) for c in close) + "?"
+        if close
+        else "check the spelling against `sao-train --help`"
+    )
+    return f"unknown config key {full_key!r}: not a field of {name}; {hint}"
+
+
+def _in_section(merged: DictConfig, message: str) -> str:
+    """Rename a reused component's generic section in a validation message to where it sits.
+
+    A class used in several sections (``OptimizerConfig`` in ``policy_optim``, ``value_optim``
+    and ``sft.optim``) names its fields with a generic prefix, its ``CONFIG_SECTION``
+    ("optimizer"). The failing section is the deepest node whose ``__post_init__`` raises; its
+    dotted path replaces the generic prefix.
+    """
+    found = _failing_node(merged, "")
+    if found is None:
+        return message
+    path, cls = found
+    generic = getattr(cls, "CONFIG_SECTION", None)
+    if not generic or not path or path == generic:
+        return message
+    return message.replace(f"{generic}.", f"{path}.")
+
+
+def _failing_node(node: Any, path: str) -> tuple[str, type] | None:
+    """(dotted path, dataclass) of the deepest dataclass node below ``node`` whose
+    instantiation raises ValueError, or None if ``node`` instantiates."""
+    try:
+        OmegaConf.to_object(node)
+        return None
+    except ValueError:
+        pass
+    if isinstance(node, DictConfig):
+        children = [(str(k), f"{path}.{k}" if path else str(k)) for k in node]
+    elif isinstance(node, ListConfig):
+        children = [(i, f"{path}[{i}]") for i in range(len(node))]
+    else:
+        children = []
+    for key, child_path in children:
+        child = node._get_node(key) if isinstance(node, DictConfig) else node[key]
+        if isinstance(child, DictConfig | ListConfig) and not OmegaConf.is_missing(node, key):
+            found = _failing_node(child, child_path)
+            if found is not None:
+                return found
+    cls = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+    return (path, cls) if cls is not None and dataclasses.is_dataclass(cls) else None
 
 
 def _reset_derived_fields(node: Any) -> None:

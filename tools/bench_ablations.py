@@ -7,11 +7,11 @@ value at each node's last token) and one switch changed at a time:
 
 | variant | override |
 |---|---|
-| value updates 1 | algorithm.value_updates_per_policy_update=1 |
+| value updates 1 | algorithm.sao.value_updates_per_policy_update=1 |
 | critic attention trainable | value.freeze_patterns=[embedding] (only embeddings frozen) |
-| PPO clip instead of DIS | algorithm.importance_weighting=ppo_clip (clip 0.2 on pi/pi_b) |
-| action-token GAE | algorithm.advantage_granularity=action_token |
-| node-mean GAE | algorithm.advantage_granularity=node_mean |
+| PPO clip instead of DIS | algorithm.importance.weighting=ppo_clip (clip 0.2 on pi/pi_b) |
+| action-token GAE | algorithm.sao.advantage_granularity=action_token |
+| node-mean GAE | algorithm.sao.advantage_granularity=node_mean |
 
 Each final policy is then evaluated on the same held-out H=50 tasks (tools/eval_horizon.py's
 evaluation). The table gives the training signals (policy updates in the budget, batch reward at
@@ -38,15 +38,15 @@ from eval_horizon import evaluate_policy
 
 VARIANTS: dict[str, list[str]] = {
     "SAO baseline": [],
-    "value updates 1": ["algorithm.value_updates_per_policy_update=1"],
+    "value updates 1": ["algorithm.sao.value_updates_per_policy_update=1"],
     "critic attention trainable": ["value.freeze_patterns=[embedding]"],
     "PPO clip instead of DIS": [
-        "algorithm.importance_weighting=ppo_clip",
-        "algorithm.clip_low=0.2",
-        "algorithm.clip_high=0.2",
+        "algorithm.importance.weighting=ppo_clip",
+        "algorithm.ppo.clip_low=0.2",
+        "algorithm.ppo.clip_high=0.2",
     ],
-    "action-token GAE": ["algorithm.advantage_granularity=action_token"],
-    "node-mean GAE": ["algorithm.advantage_granularity=node_mean"],
+    "action-token GAE": ["algorithm.sao.advantage_granularity=action_token"],
+    "node-mean GAE": ["algorithm.sao.advantage_granularity=node_mean"],
 }
 
 

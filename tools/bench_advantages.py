@@ -2,7 +2,7 @@
 
 Batch: B trajectories of N action nodes; each node is an observation block of O tokens followed
 by A action tokens (defaults B=64, N=500, O=A=20, so T = 20,000 tokens per row). Times
-`compute_advantages` for the three SAO granularities and GRPO (groups of 8), plus the naive
+the algorithms' `advantages` for the three SAO granularities and GRPO (groups of 8), plus the naive
 reverse scan over T (one vectorised step per token, what the chunked scan replaces) for
 reference. Prints a markdown table of the median wall time over --repeats runs.
 
@@ -21,8 +21,9 @@ import time
 
 import torch
 
-from sao_megatron.algorithm.advantages import compute_advantages
-from sao_megatron.algorithm.config import AlgorithmConfig
+from sao_megatron.algorithm import registry
+from sao_megatron.algorithm.base import AdvantageInputs
+from sao_megatron.algorithm.config import AlgorithmConfig, SAOConfig
 
 
 def make_batch(batch: int, nodes: int, obs: int, act: int, device: str):
@@ -113,21 +114,24 @@ def main() -> None:
     )
     rows = []
     for gran in ("action_token", "node_last_token", "node_mean"):
-        cfg = AlgorithmConfig(advantage_granularity=gran, gamma=1.0, lam_policy=0.95)
-        kw = {k: v for k, v in bt.items() if k != "group_ids"}
+        sao = SAOConfig(advantage_granularity=gran, gamma=1.0, lam_policy=0.95)
+        algo = registry.build(AlgorithmConfig(sao=sao))
+        kw = AdvantageInputs(**{k: v for k, v in bt.items() if k != "group_ids"})
         rows.append(
             (
                 f"sao {gran}",
-                timed(lambda c=cfg, k=kw: compute_advantages(c, **k), args.repeats, args.device),
+                timed(lambda a=algo, k=kw: a.advantages(k), args.repeats, args.device),
                 args.repeats,
             )
         )
-    grpo = AlgorithmConfig(name="grpo")
-    kw = {k: bt[k] for k in ("node_rewards", "node_index", "action_mask", "group_ids")}
+    grpo = registry.build(AlgorithmConfig(name="grpo"))
+    kw = AdvantageInputs(
+        **{k: bt[k] for k in ("node_rewards", "node_index", "action_mask", "group_ids")}
+    )
     rows.append(
         (
             "grpo (groups of 8)",
-            timed(lambda: compute_advantages(grpo, **kw), args.repeats, args.device),
+            timed(lambda: grpo.advantages(kw), args.repeats, args.device),
             args.repeats,
         )
     )
@@ -139,8 +143,10 @@ def main() -> None:
         args_naive = (bt["values"], r_tok, bt["action_mask"], nxt, 1.0, 0.95)
         fn = lambda: naive_token_scan(*args_naive)  # noqa: E731
         # the fast path must agree with the plain loop on this very batch
-        cfg = AlgorithmConfig(advantage_granularity="action_token", gamma=1.0, lam_policy=0.95)
-        fast = compute_advantages(cfg, **{k: v for k, v in bt.items() if k != "group_ids"})
+        sao = SAOConfig(advantage_granularity="action_token", gamma=1.0, lam_policy=0.95)
+        fast = registry.build(AlgorithmConfig(sao=sao)).advantages(
+            AdvantageInputs(**{k: v for k, v in bt.items() if k != "group_ids"})
+        )
         slow_adv, slow_ret = naive_token_scan(
             *(a.double() if torch.is_tensor(a) and a.is_floating_point() else a for a in args_naive)
         )

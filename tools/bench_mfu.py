@@ -54,7 +54,7 @@ FLOP conventions (counted exactly, per processed token position, by `forward_flo
   gradients still flow through them to the trainable norms and experts below); everything else
   3x. Activation gradients of layer 0's QKV are counted only if a parameter below it trains
   (embedding or layer-0 input norm; true for both models by default).
-- What each phase executes (K = algorithm.value_updates_per_policy_update):
+- What each phase executes (K = algorithm.sao.value_updates_per_policy_update):
   value phase = (K + 2) value forwards + K value backwards (no-grad forward for V_old, K
   updates, no-grad forward for the fresh values); policy phase = 1 policy forward + backward
   (SAO uses the rollout's behaviour log-probs, no extra "old" forward).
@@ -341,6 +341,7 @@ def synthetic_trajectories(num_rows: int, seq_len: int, vocab: int, seed: int, n
 
 def build_trainer(job, parallel, num_rows: int, seq_len: int, micro_batch_size: int):
     """Policy/value train states, an SAO ``RLStep`` and an on-policy synthetic batch."""
+    from sao_megatron.algorithm import registry
     from sao_megatron.data.batch import pack_trajectories
     from sao_megatron.models import ModelInputs, compute_policy_logprobs
     from sao_megatron.trainer.rl_step import RLStep, StepConfig
@@ -359,7 +360,11 @@ def build_trainer(job, parallel, num_rows: int, seq_len: int, micro_batch_size: 
             node.behaviour_logprobs, flat = flat[:n], flat[n:]
     batch = pack_trajectories(trajs, pad_token_id=0, max_seq_len=seq_len)
     step = RLStep(
-        job.algorithm, parallel, policy, value, StepConfig(micro_batch_size=micro_batch_size)
+        registry.build(job.algorithm),
+        parallel,
+        policy,
+        value,
+        StepConfig(micro_batch_size=micro_batch_size),
     )
     return policy, value, step, batch
 
@@ -376,7 +381,7 @@ def time_trainer(step, batch, steps: int, warmup: int) -> dict[str, list[float]]
         vs = time.perf_counter() - t0
         if i >= warmup:
             out["train_step"].append(total)
-            out["value_phase"].append(m["time/value"])
+            out["value_phase"].append(m["time/value"] + m["time/advantages"])
             out["policy_update"].append(m["time/policy"])
             out["value_step"].append(vs)
     return out
@@ -588,7 +593,7 @@ def main(argv: list[str] | None = None) -> dict:
         "micro_batch_size": mbs,
         "steps": args.steps,
         "warmup": args.warmup,
-        "value_updates": job.algorithm.value_updates_per_policy_update,
+        "value_updates": job.algorithm.sao.value_updates_per_policy_update,
     }
     res: dict = {"machine": machine_info(), "setup": setup}
 
@@ -634,7 +639,7 @@ def _trainer_section(job, args, mbs: int, res: dict) -> dict:
         job.model.tie_word_embeddings,
     )
     vf = trainable_fractions([(n, p) for c in value.unwrapped for n, p in c.named_parameters()])
-    k = job.algorithm.value_updates_per_policy_update
+    k = job.algorithm.sao.value_updates_per_policy_update
     fl = step_flops(job.model, args.rows, args.seq_len, k, pf, vf)
     fl["value_step"] = fl["value_phase"]
     device = parallel.platform.device.type
@@ -644,7 +649,7 @@ def _trainer_section(job, args, mbs: int, res: dict) -> dict:
     setup.update(trainer_device=device, trainer_dtype=dtype, trainer_roofline=ref_name)
     what = {
         "train_step": "SAO RLStep.train_step (value phase + policy update)",
-        "value_phase": f"time/value: {k + 2} value fwd + {k} value bwd, advantages",
+        "value_phase": f"time/value + time/advantages: {k + 2} value fwd + {k} value bwd",
         "policy_update": "time/policy: 1 policy fwd + bwd + optimiser step",
         "value_step": "RLStep.value_step (value pre-training step)",
     }

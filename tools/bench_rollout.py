@@ -51,7 +51,6 @@ def formatter() -> EpisodeFormatter:
 def run(num_engines: int, args, model: Path, fmt: EpisodeFormatter, run_dir: Path) -> dict:
     cfg = RolloutConfig(
         num_engines=num_engines,
-        model_path=str(model),
         dtype=args.dtype,
         max_model_len=2048,
         max_tokens_per_action=args.max_tokens,
@@ -59,13 +58,14 @@ def run(num_engines: int, args, model: Path, fmt: EpisodeFormatter, run_dir: Pat
         max_concurrent_episodes=args.concurrency,
         max_staleness=10_000,
         seed=0,
-        run_dir=str(run_dir / f"e{num_engines}"),
         request_timeout_s=300,
         startup_timeout_s=600,
     )
     tasks = (Task(task_id=f"hanoi/{s}", make_env=hanoi, seed=s) for s in range(10**9))
     t0 = time.monotonic()
-    with RolloutManager(cfg, fmt, tasks) as m:
+    with RolloutManager(
+        cfg, fmt, tasks, run_dir=run_dir / f"e{num_engines}", model_path=str(model)
+    ) as m:
         startup = time.monotonic() - t0
         m.get_batch(0, timeout=600)  # warm-up
         m.router.reset_stats()

@@ -24,6 +24,7 @@ table and plot into the "SAO vs GRPO" section of docs/BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import re
@@ -33,15 +34,27 @@ import benchlib
 from benchlib import REPO, RunFigures, run_figures, run_job, seed_from_sft, shared_sft, spread
 
 
-def algo_overrides(algo: str, group_size: int, has_value_pretrain: bool) -> list[str]:
+def algo_overrides(algo: str, group_size: int, has_value_pretrain: bool, base=None) -> list[str]:
+    """Overrides of one algorithm's runs; a GRPO run of an SAO config resets the config's
+    algorithm.sao keys to their defaults (GRPO does not read them: leaving them set is an error)."""
     if algo == "sao":
         return benchlib.sao_overrides(has_value_pretrain)
+    from sao_megatron.algorithm.config import SAOConfig
+
+    sao_defaults = []
+    if base is not None:
+        default = SAOConfig()
+        for f in dataclasses.fields(SAOConfig):
+            if getattr(base.algorithm.sao, f.name) != getattr(default, f.name):
+                value = getattr(default, f.name)
+                sao_defaults.append(f"algorithm.sao.{f.name}={'null' if value is None else value}")
     return [
         "stages=[rl]",
         "algorithm.name=grpo",
-        f"algorithm.grpo_group_size={group_size}",
-        "algorithm.clip_low=0.2",
-        "algorithm.clip_high=0.2",
+        f"algorithm.grpo.group_size={group_size}",
+        "algorithm.ppo.clip_low=0.2",
+        "algorithm.ppo.clip_high=0.2",
+        *sao_defaults,
     ]
 
 
@@ -72,7 +85,7 @@ def main(argv=None) -> int:
             run_dir = out / f"{algo}_r{r}"
             seed_from_sft(sft, run_dir)
             ov = benchlib.rl_overrides(args.override, args.budget_s, args.num_eval_tasks, r)
-            run_job(args.config, ov + algo_overrides(algo, args.group_size, has_vp), run_dir)
+            run_job(args.config, ov + algo_overrides(algo, args.group_size, has_vp, base), run_dir)
             runs[algo].append(run_figures(run_dir, f"{algo} r{r}"))
 
     info = benchlib.measured_machine_info(out, start_info, "sao_vs_grpo")

@@ -84,10 +84,8 @@ def _evaluate_many(hf_dir, job, horizons, num_tasks, work, concurrency, temperat
 
     tok = load_tokenizer(str(hf_dir / "sao_tokenizer"))
     fmt = EpisodeFormatter(tok, job.episode)
-    rcfg = dataclasses.replace(
-        job.rollout, model_path=str(hf_dir), run_dir=str(work), num_engines=1
-    )
-    engine = EngineProcess(rcfg, 0)
+    rcfg = dataclasses.replace(job.rollout, num_engines=1)
+    engine = EngineProcess(rcfg, 0, hf_dir, work)
     engine.start()
     out: dict[float, dict[int, dict[str, float]]] = {}
     try:

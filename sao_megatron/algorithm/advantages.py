@@ -24,13 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import AlgorithmConfig
 from .scan import Packer, discounted_reverse_cumsum
 
 
 @dataclass(kw_only=True)
 class AdvantageOutput:
-    """Result of `compute_advantages`.
+    """Result of an algorithm's advantages (`sao_megatron.algorithm.base.Algorithm.advantages`).
 
     advantages: [B, T] policy advantages, 0 off the action mask.
     returns: [B, T] value targets R = A(lam_value) + V where value_mask is True (None for GRPO).
@@ -53,7 +52,8 @@ def final_next_values(
         truncated: [B] bool, the episode hit its budget rather than terminating.
         bootstrap_values: [B] float V(last state) or None (allowed only if nothing is truncated or
             bootstrapping is off).
-        bootstrap_truncated: algorithm.bootstrap_truncated; False treats truncation as termination.
+        bootstrap_truncated: algorithm.sao.bootstrap_truncated; False treats truncation as
+            termination.
 
     Returns: [B] float64. Raises ValueError if a truncated row needs a missing bootstrap value.
     """
@@ -63,7 +63,8 @@ def final_next_values(
     if bootstrap_values is None:
         raise ValueError(
             "truncated rows need bootstrap_values ([B] V of the last state) when "
-            "algorithm.bootstrap_truncated is true; pass them or set bootstrap_truncated=false"
+            "algorithm.sao.bootstrap_truncated is true; pass them or set "
+            "algorithm.sao.bootstrap_truncated=false"
         )
     return torch.where(truncated, bootstrap_values.to(torch.float64), 0.0)
 
@@ -351,59 +352,3 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
     mean = x64.sum() / n
     var = torch.where(mask, (x64 - mean) ** 2, 0.0).sum() / n
     return torch.where(mask, (x64 - mean) * torch.rsqrt(var + eps), 0.0).to(x.dtype)
-
-
-def compute_advantages(
-    config: AlgorithmConfig,
-    *,
-    node_rewards: torch.Tensor,
-    node_index: torch.Tensor,
-    action_mask: torch.Tensor,
-    values: torch.Tensor | None = None,
-    truncated: torch.Tensor | None = None,
-    bootstrap_values: torch.Tensor | None = None,
-    group_ids: torch.Tensor | None = None,
-) -> AdvantageOutput:
-    """Advantages (and value targets for SAO) as selected by `config`.
-
-    sao: `algorithm.advantage_granularity` picks action_token_gae / node_gae; needs values [B, T]
-    and (if any row is truncated and bootstrap_truncated) bootstrap_values [B].
-    grpo: grpo_advantages on the trajectories' total rewards node_rewards.sum(1), grouped by
-    group_ids [B], broadcast to every action token; needs group_ids.
-    Then, if `algorithm.whiten_advantages`, masked_whiten over the action tokens of the batch.
-    Raises ValueError when a required input is missing.
-    """
-    mask = action_mask.to(torch.bool)
-    if config.name == "grpo":
-        if group_ids is None:
-            raise ValueError("algorithm.name='grpo' needs group_ids [B] (one id per task)")
-        scores = node_rewards.sum(dim=1)
-        adv = grpo_advantages(
-            scores, group_ids, std_normalize=config.grpo_std_normalize, eps=config.grpo_eps
-        )
-        out = AdvantageOutput(advantages=torch.where(mask, adv[:, None], 0.0))
-    else:
-        if values is None:
-            raise ValueError("algorithm.name='sao' needs values [B, T] from the value model")
-        if truncated is None:
-            truncated = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
-        nxt = final_next_values(truncated, bootstrap_values, config.bootstrap_truncated)
-        common = dict(
-            values=values,
-            node_rewards=node_rewards,
-            node_index=node_index,
-            action_mask=mask,
-            next_values=nxt,
-            gamma=config.gamma,
-            lam_policy=config.lam_policy,
-            lam_value=config.lam_value,
-            length_adaptive_alpha=config.length_adaptive_alpha,
-        )
-        if config.advantage_granularity == "action_token":
-            out = action_token_gae(**common)
-        else:
-            mode = "last_token" if config.advantage_granularity == "node_last_token" else "mean"
-            out = node_gae(**common, node_value=mode)
-    if config.whiten_advantages:
-        out.advantages = masked_whiten(out.advantages, mask)
-    return out

@@ -14,10 +14,12 @@ a ratio of inf (log-ratio > ~88 in float32) is dropped, not propagated.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from .config import AlgorithmConfig
+if TYPE_CHECKING:
+    from .config import ImportanceConfig
 
 _MAX_LOG_RATIO = 20.0  # exp(20) ~ 4.9e8: keeps uncapped weights finite; bands sit far inside.
 
@@ -132,17 +134,17 @@ def decoupled_ppo_weights(
 
 
 def importance_weights(
-    config: AlgorithmConfig,
+    config: ImportanceConfig,
     target_logprobs: torch.Tensor,
     behaviour_logprobs: torch.Tensor,
     action_mask: torch.Tensor,
 ) -> ImportanceWeights:
-    """The weights selected by `algorithm.importance_weighting`.
+    """The weights selected by `algorithm.importance.weighting` (config: that section).
 
     target_logprobs: [B, T] l_theta (SAO) or recomputed l_old / proximal (GRPO); behaviour
     [B, T]; action_mask [B, T]. "none" gives weight 1 on every action token.
     """
-    kind = config.importance_weighting
+    kind = config.weighting
     args = (target_logprobs, behaviour_logprobs, action_mask)
     if kind == "dis_band":
         return dis_band_weights(*args, config.eps_low, config.eps_high)
@@ -157,4 +159,4 @@ def importance_weights(
     if kind == "none":
         mask = action_mask.to(torch.bool)
         return ImportanceWeights(weights=mask.to(target_logprobs.dtype), keep=mask)
-    raise ValueError(f"algorithm.importance_weighting={kind!r}: unknown")
+    raise ValueError(f"algorithm.importance.weighting={kind!r}: unknown")

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import AlgorithmConfig
-from .importance import _MAX_LOG_RATIO, dis_band_weights, importance_weights
+from .importance import _MAX_LOG_RATIO, dis_band_weights
 
 
 def _zero_off(mask: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
@@ -228,10 +227,10 @@ def kl_per_token(
         return k3
     if estimator == "k3_is":
         if behaviour_logprobs is None:
-            raise ValueError("kl_estimator='k3_is' needs behaviour_logprobs (the sampling policy)")
+            raise ValueError("KL estimator k3_is needs behaviour_logprobs (the sampling policy)")
         lr = (logprobs - behaviour_logprobs.detach()).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
         return torch.exp(lr) * k3
-    raise ValueError(f"algorithm.kl_estimator={estimator!r}: use k1, k2, k3 or k3_is")
+    raise ValueError(f"KL estimator {estimator!r}: use k1, k2, k3 or k3_is")
 
 
 def kl_loss(
@@ -255,51 +254,4 @@ def kl_loss(
     per_token = kl_per_token(lp, ref, estimator, blp)
     return coef * aggregate(
         per_token, action_mask, mode, num_tokens=num_tokens, num_sequences=num_sequences
-    )
-
-
-def policy_loss(
-    config: AlgorithmConfig,
-    *,
-    logprobs: torch.Tensor,
-    behaviour_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    action_mask: torch.Tensor,
-    old_logprobs: torch.Tensor | None = None,
-    num_tokens: int | torch.Tensor | None = None,
-    num_sequences: int | torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The policy loss selected by `config` (without entropy / KL terms).
-
-    sao: importance-weighted policy gradient with weights from `algorithm.importance_weighting`
-    on r = exp(l_theta - l_b) (dis_band gives `dis_policy_loss`); importance_weighting="ppo_clip"
-    gives `ppo_clip_loss` on r = exp(l_theta - l_b) instead (Schulman et al. 2017, eq. 7, with the
-    behaviour policy as pi_old).
-    grpo: `ppo_clip_loss` on exp(l_theta - l_old), times the weight of
-    `algorithm.importance_weighting` on exp(l_old - l_b); needs old_logprobs [B, T] (the
-    recomputed old, or proximal for decoupled_ppo). Raises ValueError if it is missing.
-    """
-    agg = dict(mode=config.loss_aggregation, num_tokens=num_tokens, num_sequences=num_sequences)
-    if config.name == "sao" and config.importance_weighting != "ppo_clip":
-        w = importance_weights(config, logprobs, behaviour_logprobs, action_mask).weights
-        return policy_gradient_loss(logprobs, advantages, w, action_mask, **agg)
-    w = None
-    if config.name == "sao":  # ppo_clip: the behaviour policy stands in for pi_old
-        old_logprobs = behaviour_logprobs
-    elif old_logprobs is None:
-        raise ValueError(
-            "algorithm.name='grpo' needs old_logprobs [B, T] recomputed by the trainer"
-        )
-    else:
-        w = importance_weights(config, old_logprobs, behaviour_logprobs, action_mask).weights
-    return ppo_clip_loss(
-        logprobs,
-        old_logprobs,
-        advantages,
-        action_mask,
-        clip_low=config.clip_low,
-        clip_high=config.clip_high,
-        dual_clip=config.dual_clip,
-        weights=w,
-        **agg,
     )

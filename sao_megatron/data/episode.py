@@ -44,6 +44,14 @@ class EpisodeFormatConfig:
         context_mode: "full_history" or "window".
         window_size: K, the number of (action, next observation) pairs kept after the prompt in
             "window" mode (>= 0; ignored in "full_history" mode).
+        format: "markers" (this module's `EpisodeFormatter`, the from-scratch path) or
+            "chat_template" (`sao_megatron.data.chat_format.ChatTemplateFormatter`: the chat
+            template of the job's tokenizer, `tokenizer.kind=hf`; the marker fields above are
+            then unused).
+        observation_role: chat format only: role of the environment's messages, "user" or
+            "tool".
+        history: chat format only: "append" (token-in/token-out, the template must be
+            prefix-stable) or "rerender" (each prompt rendered whole, window context).
     """
 
     system_prompt: str = ""
@@ -53,8 +61,13 @@ class EpisodeFormatConfig:
     add_bos: bool = True
     context_mode: str = "full_history"
     window_size: int = 8
+    format: str = "markers"
+    observation_role: str = "user"
+    history: str = "append"
 
     def __post_init__(self) -> None:
+        if self.format not in ("markers", "chat_template"):
+            raise ValueError(f"episode.format={self.format!r}: use 'markers' or 'chat_template'")
         if self.context_mode not in ("full_history", "window"):
             raise ValueError(
                 f"episode.context_mode={self.context_mode!r}: use 'full_history' or 'window'"

@@ -19,6 +19,23 @@ from sao_megatron.optim.config import OptimizerConfig, PrecisionConfig
 from sao_megatron.parallel.state import ParallelState
 
 
+class LRScheduler(OptimizerParamScheduler):
+    """Megatron's ``OptimizerParamScheduler`` whose ``load_state_dict`` restores the saved step
+    count instead of adding it to the current one.
+
+    Megatron's ``load_state_dict`` calls ``self.step(increment=saved num_steps)``: it assumes a
+    scheduler at step 0. `build_optimizer` steps the schedule once at construction while warm-up
+    is active (so update k uses lr*k/warmup), so the added count put every resumed run one step
+    ahead (warm-up 10, peak 1e-3: lr 5e-4 instead of 4e-4 at update 4 after resuming at 3).
+    Resetting the count first makes loading set it, whatever the freshly built state was.
+    """
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Set the schedule to the saved one (max/min lr, warm-up, decay, and step count)."""
+        self.num_steps = 0
+        super().load_state_dict(state_dict)
+
+
 @dataclass
 class TrainState:
     """What ``build_optimizer`` returns.
@@ -28,14 +45,15 @@ class TrainState:
             original modules (for state dicts/freezing reports).
         optimizer: Megatron ``MegatronOptimizer`` (``ChainedOptimizer`` over dense/expert
             params); ``step() -> (update_successful, grad_norm, num_zeros)``.
-        scheduler: Megatron ``OptimizerParamScheduler``; call ``scheduler.step(1)`` after
-            each successful update.
+        scheduler: `LRScheduler` (Megatron ``OptimizerParamScheduler``); ``step()`` calls
+            ``scheduler.step(1)`` after each successful update. Stateful: its ``state_dict()``
+            / ``load_state_dict()`` round-trip the schedule exactly (checkpoint it by name).
     """
 
     model: list[DistributedDataParallel]
     unwrapped: list[torch.nn.Module]
     optimizer: object
-    scheduler: OptimizerParamScheduler
+    scheduler: LRScheduler
 
     def zero_grad(self) -> None:
         """Zero the DDP grad buffers and the optimiser's grads (before each forward_backward)."""
@@ -130,7 +148,7 @@ def build_optimizer(
     config.grad_scale_func = opt.scale_loss  # loss scale (1 unless fp16), as Megatron-LM
     warmup = optimizer.warmup_steps
     decay = optimizer.decay_steps if optimizer.decay_style != "constant" else 1
-    scheduler = OptimizerParamScheduler(
+    scheduler = LRScheduler(
         opt,
         init_lr=0.0,
         max_lr=optimizer.lr,

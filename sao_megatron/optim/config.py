@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -64,7 +65,14 @@ class PrecisionConfig:
 @dataclass(kw_only=True)
 class OptimizerConfig:
     """Adam (Loshchilov & Hutter 2019, decoupled weight decay) with global-norm gradient
-    clipping and a warmup + decay learning-rate schedule (Megatron ``OptimizerParamScheduler``)."""
+    clipping and a warmup + decay learning-rate schedule (Megatron ``OptimizerParamScheduler``).
+
+    Used by several job sections (``policy_optim``, ``value_optim``, ``sft.optim``): its errors
+    name fields as ``optimizer.<field>`` and ``sao_megatron.configs.load_config`` replaces that
+    prefix (`CONFIG_SECTION`) by the section that failed, e.g. ``value_optim.lr``.
+    """
+
+    CONFIG_SECTION: ClassVar[str] = "optimizer"
 
     lr: float = 1e-6
     """Peak learning rate (reached at the end of warmup)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 _DTYPES = ("float32", "bfloat16", "float16", "auto")
 
@@ -15,8 +16,6 @@ class RolloutConfig:
         engine_urls: base URLs of running vLLM servers (clusters: the SLURM script starts them on
             rollout nodes). Empty: start `num_engines` local servers on loopback.
         num_engines: local vLLM servers to start when `engine_urls` is empty (>= 1).
-        model_path: Hugging Face checkpoint folder the local servers load (required when starting
-            engines); its weights are version 0.
         dtype: engine dtype: "float32", "bfloat16", "float16" or "auto".
         vllm_python: Python of the vLLM virtualenv (made by ``tools/install_vllm.sh``).
         max_model_len: longest prompt + generation the engine accepts, tokens.
@@ -27,7 +26,6 @@ class RolloutConfig:
         request_timeout_s: seconds one generation request may take before the engine counts as
             hung (the episode is requeued, the engine health-checked).
         max_engine_restarts: restarts of a local engine that died before it is dropped.
-        run_dir: folder for engine logs and the weight-sync slots.
     Sampling:
         max_tokens_per_action: generation budget of one action, tokens.
         temperature, top_p: sampling settings, recorded on every trajectory.
@@ -38,22 +36,34 @@ class RolloutConfig:
         max_turns: cap on actions per episode (the environment's max_steps also applies).
         The prompt layout (full history or window) is the episode format's
         (`sao_megatron.data.episode.EpisodeFormatConfig.context_mode`), not repeated here.
+    Run-time inputs are arguments of `RolloutManager` / `EngineProcess`, not fields: the model
+    the local engines load (``model_path``; in a job the exported policy, run_dir/hf_policy),
+    the folder for engine logs and weight slots (``run_dir``; in a job run_dir/rollout) and the
+    group size (the algorithm's, ``algorithm.grpo.group_size``).
     Off-policy control and batching:
-        max_staleness: no trained trajectory has train_version - min(policy_version) above this.
-        trajectories_per_batch: trajectories in one training batch (a multiple of
-            grpo_group_size).
-        grpo_group_size: trajectories sampled per task; 1 = SAO single trajectory.
+        max_staleness: the off-policy bound, in policy versions. Episodes start only while the
+            engines are within it of the trained version; no action token with
+            train_version - policy_version above it enters the policy loss (the trainer drops
+            it; episodes in flight are never aborted). 0 = synchronous, strictly on-policy.
+        trajectories_per_batch: trajectories in one training batch (a multiple of the
+            algorithm's group size, `RolloutManager(group_size=...)`).
         max_concurrent_episodes: episodes in flight at once across all engines.
-        max_episode_attempts: times one task is attempted (engine faults, staleness aborts)
+        max_episode_attempts: times one task is attempted (engine faults)
             before it is given up and reported.
         affinity_overload_factor: an episode stays on its engine (prefix cache) unless that
             engine's outstanding tokens exceed this factor x (least-loaded engine's + one
             request's budget).
     """
 
+    #: former fields -> the fix, for migration errors (sao_megatron.configs)
+    MOVED_FIELDS: ClassVar[dict[str, str]] = {
+        "grpo_group_size": "moved to algorithm.grpo.group_size (the algorithm's group size)",
+        "model_path": "was removed: the local engines serve the trained policy (run_dir/hf_policy)",
+        "run_dir": "was removed: engine logs and weight slots go to <run_dir>/rollout; set run_dir",
+    }
+
     engine_urls: list[str] = field(default_factory=list)
     num_engines: int = 1
-    model_path: str = ""
     dtype: str = "bfloat16"
     vllm_python: str = ".venv-vllm/bin/python"
     max_model_len: int = 4096
@@ -63,7 +73,6 @@ class RolloutConfig:
     startup_timeout_s: float = 300.0
     request_timeout_s: float = 120.0
     max_engine_restarts: int = 2
-    run_dir: str = "runs/rollout"
 
     max_tokens_per_action: int = 256
     temperature: float = 1.0
@@ -72,9 +81,8 @@ class RolloutConfig:
     seed: int | None = None
     max_turns: int = 1000
 
-    max_staleness: int = 1
+    max_staleness: int = 4
     trajectories_per_batch: int = 16
-    grpo_group_size: int = 1
     max_concurrent_episodes: int = 16
     max_episode_attempts: int = 3
     affinity_overload_factor: float = 2.0
@@ -84,6 +92,7 @@ class RolloutConfig:
             return ValueError(f"rollout.{name}={getattr(self, name)!r}: {rule}")
 
         self.engine_urls = list(self.engine_urls)
+        self.temperature = float(self.temperature)  # recorded on every trajectory as a float
         for url in self.engine_urls:
             if not url.startswith(("http://", "https://")):
                 raise bad("engine_urls", f"{url!r} must start with http:// or https://")
@@ -97,7 +106,6 @@ class RolloutConfig:
             "max_tokens_per_action",
             "max_turns",
             "trajectories_per_batch",
-            "grpo_group_size",
             "max_concurrent_episodes",
             "max_episode_attempts",
         ):
@@ -114,11 +122,6 @@ class RolloutConfig:
             raise bad("top_p", "must be in (0, 1]")
         if self.max_staleness < 0:
             raise bad("max_staleness", "must be >= 0 (0 = strictly on-policy)")
-        if self.trajectories_per_batch % self.grpo_group_size:
-            raise bad(
-                "trajectories_per_batch",
-                f"must be a multiple of rollout.grpo_group_size={self.grpo_group_size}",
-            )
         if self.max_tokens_per_action >= self.max_model_len:
             raise bad(
                 "max_tokens_per_action", f"must be < rollout.max_model_len={self.max_model_len}"

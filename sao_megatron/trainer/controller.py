@@ -1,10 +1,16 @@
-"""The job controller: SFT warm-up -> value pre-training -> RL (SAO or GRPO), top to bottom.
+"""The job controller: SFT warm-up -> value pre-training -> RL, top to bottom.
 
 Rank 0 owns the rollout (vLLM engines, episode loop, trajectory buffer) and hands each batch to
-every trainer rank; all ranks train together through Megatron. Per RL step: pull a batch of
-finished trajectories -> value, value, policy updates (`RLStep`) -> publish policy version k+1
-to the engines -> log -> checkpoint. Rollout keeps sampling during training, bounded by
-algorithm.max_staleness (0 = synchronous).
+every trainer rank; all ranks train together through Megatron. Per RL step (`Controller._rl_loop`):
+pull a batch of finished trajectories -> the algorithm's update schedule (SAO: value targets,
+value update x K, advantages with the updated critic, policy update; `algorithm.schedule`) ->
+publish policy version k+1 to the engines -> log -> checkpoint. Rollout keeps sampling during
+training, bounded by rollout.max_staleness (0 = synchronous).
+
+The job config is read, never rewritten: run-time paths (run_dir/<stage>, run_dir/rollout,
+run_dir/hf_policy) are constructor arguments of the components; the one resolved value (the
+model's vocabulary, fitted to a trained tokenizer) makes a new config, which is what
+run_dir/config.yaml and every checkpoint record.
 """
 
 from __future__ import annotations
@@ -15,21 +21,22 @@ import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-import torch.distributed as dist
-
+from sao_megatron.algorithm import registry
 from sao_megatron.configs import to_yaml
 from sao_megatron.convert.spec import ConversionSpec
 from sao_megatron.data.batch import pack_trajectories
+from sao_megatron.data.chat_format import build_formatter
 from sao_megatron.data.demonstrations import demonstration_sequences
-from sao_megatron.data.episode import EpisodeFormatter
 from sao_megatron.models import build_policy
+from sao_megatron.parallel.collectives import broadcast_from_last_stage, broadcast_from_rank0
 from sao_megatron.parallel.state import ParallelState
 from sao_megatron.rollout.manager import RolloutManager, Task
-from sao_megatron.trainer import runtime
-from sao_megatron.trainer.checkpoint import CheckpointManager, CommonState
+from sao_megatron.trainer import runtime, signals
+from sao_megatron.trainer.checkpoint import CheckpointManager, CommonState, step_dir_name
 from sao_megatron.trainer.evaluate import evaluate
-from sao_megatron.trainer.job import JobConfig
+from sao_megatron.trainer.job import JobConfig, TasksConfig
 from sao_megatron.trainer.metrics import (
     MetricsLogger,
     Timer,
@@ -42,23 +49,69 @@ from sao_megatron.trainer.sft import SequenceSampler, sft_step
 log = logging.getLogger("sao_megatron.trainer")
 
 
-class TaskStream:
-    """The endless, seeded stream of RL tasks.
+@dataclasses.dataclass(kw_only=True)
+class RLRunState:
+    """The RL stage's counters: what the loop carries and the checkpoint saves.
 
-    The checkpointed cursor is `consumed`, the number of tasks the trainer has trained on.
-    Resuming with ``start=k`` skips the first k tasks: in synchronous mode (max_staleness=0) the
-    trained tasks are exactly the first k drawn, so a resumed run sees the same tasks as an
-    uninterrupted one; asynchronously, tasks that were in flight at the checkpoint are run again.
+    Fields:
+        step: completed policy updates (train steps).
+        policy_version: version of the policy weights the engines serve (k after k updates).
+        value_pretrain_steps: completed value pre-training steps.
+    The task cursor is the `TaskStream`'s own state (saved next to this one).
     """
 
-    def __init__(self, job: JobConfig, start: int = 0) -> None:
-        self._rng = random.Random(f"tasks:{job.tasks.train_seed}")
-        self._specs = job.tasks.train
-        self._weights = [e.weight for e in job.tasks.train]
+    step: int = 0
+    policy_version: int = 0
+    value_pretrain_steps: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from `state_dict()`; raises ValueError on a missing or unknown key."""
+        names = {f.name for f in dataclasses.fields(self)}
+        if set(state) != names:
+            raise ValueError(f"RLRunState: checkpoint holds {sorted(state)}, want {sorted(names)}")
+        for name in names:
+            setattr(self, name, int(state[name]))
+
+
+@dataclasses.dataclass(kw_only=True)
+class RLParts:
+    """What the RL stage runs with (built by `Controller.build_rl`).
+
+    step_fn: the RL step (its ``policy`` is the policy TrainState); states: name -> TrainState
+    of every model the checkpoint holds; checkpoints: the RL stage's CheckpointManager;
+    run: the run state; rollout: the rollout (rank 0 only, else None), not started.
+    """
+
+    step_fn: RLStep
+    states: dict[str, Any]
+    checkpoints: CheckpointManager
+    run: RLRunState
+    rollout: RolloutManager | None
+
+
+class TaskStream:
+    """The endless, seeded stream of RL tasks (a `Task` per draw).
+
+    The checkpointed cursor is `consumed`, the number of tasks the trainer has trained on
+    (`consume`). Restoring it (`load_state_dict`) skips the first `consumed` tasks: in
+    synchronous mode (rollout.max_staleness=0) the trained tasks are exactly the first ones
+    drawn, so a resumed run sees the same tasks as an uninterrupted one; asynchronously, tasks
+    that were in flight at the checkpoint are run again.
+
+    Args:
+        tasks: the ``tasks`` section (train environments, weights, train_seed).
+    """
+
+    def __init__(self, tasks: TasksConfig) -> None:
+        self._seed = f"tasks:{tasks.train_seed}"
+        self._specs = tasks.train
+        self._weights = [e.weight for e in tasks.train]
+        self._rng = random.Random(self._seed)
         self.drawn = 0
-        self.consumed = start
-        while self.drawn < start:
-            self._draw()
+        self.consumed = 0
 
     def _draw(self) -> Task:
         spec = self._rng.choices(self._specs, self._weights)[0]
@@ -72,12 +125,36 @@ class TaskStream:
     def __next__(self) -> Task:
         return self._draw()
 
+    def consume(self, num_tasks: int) -> None:
+        """Count `num_tasks` more tasks as trained on."""
+        self.consumed += num_tasks
+
+    def state_dict(self) -> dict[str, int]:
+        return {"tasks_consumed": self.consumed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue after the first ``state["tasks_consumed"]`` tasks of the seeded stream.
+
+        Raises ValueError once tasks were drawn (load before the rollout starts drawing).
+        """
+        if self.drawn:
+            raise ValueError("TaskStream.load_state_dict after tasks were drawn: load it first")
+        self._rng = random.Random(self._seed)
+        self.consumed = int(state["tasks_consumed"])
+        while self.drawn < self.consumed:
+            self._draw()
+
 
 class Controller:
-    """Runs the stages of `job` on this rank (construct on every rank, call `run()`)."""
+    """Runs the stages of `job` on this rank (construct on every rank, call `run()`).
+
+    `job` is not modified; `self.job` is the config the run trains with (see the module
+    docstring), written to run_dir/config.yaml by rank 0.
+    """
 
     def __init__(self, job: JobConfig, parallel: ParallelState) -> None:
         self.job, self.parallel = job, parallel
+        self.algorithm = registry.build(job.algorithm)
         self.rank0 = parallel.rank == 0
         self.run_dir = Path(job.run_dir)
         self.summary: dict[str, float] = {}
@@ -91,9 +168,12 @@ class Controller:
         )
 
     def _logger(self, stage: str, total: int, initial: int) -> MetricsLogger:
-        cfg = dataclasses.replace(self.job.logging, run_dir=str(self.run_dir / stage))
         return MetricsLogger(
-            cfg, is_logging_rank=self.rank0, total_steps=total, initial_step=initial
+            self.job.logging,
+            self.run_dir / stage,
+            is_logging_rank=self.rank0,
+            total_steps=total,
+            initial_step=initial,
         )
 
     def _layout(self) -> dict[str, int]:
@@ -135,15 +215,21 @@ class Controller:
         return res
 
     # ------------------------------------------------------------------ stages
-    def run(self) -> dict[str, float]:
-        job = self.job
-        self.tokenizer = runtime.prepare_tokenizer(job, self.parallel.rank)
-        runtime.fit_vocab_to_tokenizer(job, self.tokenizer, self.parallel.cfg.tp)
-        self.formatter = EpisodeFormatter(self.tokenizer, job.episode)
+    def prepare(self) -> None:
+        """Tokenizer, the trained config (vocabulary fitted; written to config.yaml), formats."""
+        self.tokenizer = runtime.prepare_tokenizer(self.job, self.parallel.rank)
+        self.job = runtime.fit_vocab_to_tokenizer(self.job, self.tokenizer, self.parallel.cfg.tp)
+        if self.rank0:  # the config this run trains with, next to its outputs
+            (self.run_dir / "config.yaml").write_text(to_yaml(self.job))
+        self.formatter = build_formatter(self.tokenizer, self.job.episode)
         self.hf_config = runtime.hf_config_for(
-            job.model, self.tokenizer, job.precision.params_dtype
+            self.job.model, self.tokenizer, self.job.precision.params_dtype
         )
         self.spec = ConversionSpec.from_hf_config(self.hf_config)
+
+    def run(self) -> dict[str, float]:
+        self.prepare()
+        job = self.job
         rl_resume = self._ckpt("rl").resolve_resume() if "rl" in job.stages else None
         policy = None
         if "sft" in job.stages and rl_resume is None:
@@ -175,17 +261,22 @@ class Controller:
                 )
                 step += 1
                 logger.log(step, m)
-                if mgr.should_save(step) or step == job.sft.steps:
+                stop = signals.stop_requested()  # [signals] any rank got SIGTERM/SIGUSR1
+                if stop or mgr.should_save(step) or step == job.sft.steps:
                     self._save(
                         mgr,
                         {"policy": state},
                         CommonState(train_step=step, data_cursor=sampler.state()),
                     )
+                if stop:  # [signals] saved at this step: exit 0, a restart resumes here
+                    raise signals.StoppedBySignal(step, mgr.save_dir / step_dir_name(step))
         if m:  # nothing ran when resuming a finished SFT stage
             self.summary["sft/final_loss"] = m["sft/loss"]
         return state.unwrapped
 
-    def rl_stage(self, policy_chunks, resume_path) -> None:
+    def build_rl(self, policy_chunks, resume_path) -> RLParts:
+        """Models, optimisers, the RL step, run state and (on rank 0) the rollout, not started;
+        restored from `resume_path` when given. Exports the policy the engines will serve."""
         job, p = self.job, self.parallel
         if policy_chunks is None and resume_path is None and "sft" not in job.stages:
             sft = self._ckpt("sft").resolve_resume()  # start from a finished SFT stage if any
@@ -194,106 +285,142 @@ class Controller:
                 self._ckpt("sft").load(sft, {"policy": policy_chunks[0].sharded_state_dict()})
         policy = runtime.build_policy_state(job, p, job.policy_optim, init_from=policy_chunks)
         value = None
-        if job.algorithm.name == "sao":
+        if self.algorithm.needs_value_model:
             value = runtime.build_value_state(job, p, policy.unwrapped)
         step_fn = RLStep(
-            job.algorithm, p, policy, value, StepConfig(micro_batch_size=job.rl.micro_batch_size)
+            self.algorithm,
+            p,
+            policy,
+            value,
+            StepConfig(
+                micro_batch_size=job.rl.micro_batch_size, max_staleness=job.rollout.max_staleness
+            ),
         )
         states = {"policy": policy} | ({"value": value} if value else {})
-        mgr, step, version, pretrain_done, task_start = self._ckpt("rl"), 0, 0, 0, 0
+        mgr, run, self.tasks = self._ckpt("rl"), RLRunState(), TaskStream(job.tasks)
         if resume_path is not None:
-            res = self._load(mgr, resume_path, states)
-            step, version = res.common.train_step, res.common.policy_version
-            pretrain_done = res.common.extra.get("value_pretrain_steps", 0)
-            task_start = res.common.data_cursor.get("tasks_consumed", 0)
+            common = self._load(mgr, resume_path, states).common
+            run.load_state_dict(common.extra["rl_run_state"])
+            self.tasks.load_state_dict(common.data_cursor)
         hf_dir = self.run_dir / "hf_policy"
         runtime.export_policy_hf(
             policy.unwrapped, self.spec, self.hf_config, self.tokenizer, p, hf_dir
         )
         rollout = None
-        self.tasks = TaskStream(job, task_start)
-        if self.rank0:
-            rcfg = dataclasses.replace(
-                job.rollout, model_path=str(hf_dir), run_dir=str(self.run_dir / "rollout")
-            )
+        if self.rank0:  # a resumed run's engines serve the checkpoint's weights as its version
             rollout = RolloutManager(
-                rcfg, self.formatter, self.tasks, initial_version=version
-            ).start()  # a resumed run's engines serve the checkpoint's weights as `version`
-        try:
-            self._rl_loop(step_fn, policy, states, mgr, rollout, step, version, pretrain_done)
-        finally:
-            if rollout is not None:
-                rollout.stop()
+                job.rollout,
+                self.formatter,
+                self.tasks,
+                initial_version=run.policy_version,
+                run_dir=self.run_dir / "rollout",
+                model_path=str(hf_dir),
+                group_size=self.algorithm.group_size,
+            )
+        return RLParts(step_fn=step_fn, states=states, checkpoints=mgr, run=run, rollout=rollout)
 
-    def _rl_loop(self, step_fn, policy, states, mgr, rollout, step, version, pretrain_done):
-        job = self.job
-        timer = Timer()
-        if "rl" in job.stages and step == 0:
-            self.summary |= {f"before/{k}": v for k, v in self._evaluate(rollout).items()}
-        start = time.perf_counter()  # rl.time_budget_s counts value pre-training and RL
-        with self._logger("value_pretrain", job.value_pretrain.steps, pretrain_done) as logger:
-            while "value_pretrain" in job.stages and pretrain_done < job.value_pretrain.steps:
-                batch = self._next_batch(rollout, version)
-                pretrain_done += 1
-                m = self._from_last_stage(step_fn.value_step(batch))
-                logger.log(pretrain_done, m | _episode_metrics(batch))
-        self.summary["rl/value_pretrain_s"] = time.perf_counter() - start
-        if "rl" not in job.stages:
-            return
-        m: dict[str, float] = {}
+    def rl_stage(self, policy_chunks, resume_path) -> None:
+        rl = self.build_rl(policy_chunks, resume_path)
+        if rl.rollout is not None:
+            rl.rollout.start()
+        try:
+            if "rl" in self.job.stages and rl.run.step == 0:
+                self.summary |= {f"before/{k}": v for k, v in self._evaluate(rl.rollout).items()}
+            self._clock = time.perf_counter()  # rl.time_budget_s counts value pre-training and RL
+            self._value_pretrain(rl)
+            if "rl" in self.job.stages:
+                self._finish_rl(rl, self._rl_loop(rl))
+        finally:
+            if rl.rollout is not None:
+                rl.rollout.stop()
+
+    def _value_pretrain(self, rl: RLParts) -> None:
+        """Cold-start the critic: its update phases on rollouts of the frozen policy."""
+        job, run = self.job, rl.run
+        steps = job.value_pretrain.steps if "value_pretrain" in job.stages else 0
+        with self._logger("value_pretrain", steps, run.value_pretrain_steps) as logger:
+            while run.value_pretrain_steps < steps:
+                batch = self._next_batch(rl.rollout, run.policy_version)
+                run.value_pretrain_steps += 1
+                m = broadcast_from_last_stage(rl.step_fn.value_step(batch), self.parallel)
+                logger.log(run.value_pretrain_steps, m | _episode_metrics(batch))
+        self.summary["rl/value_pretrain_s"] = time.perf_counter() - self._clock
+
+    def _rl_loop(self, rl: RLParts) -> dict[str, float]:
+        """Per step: batch -> the algorithm's update schedule -> publish -> log -> checkpoint.
+
+        Returns the last step's metrics.
+        """
+        job, run, step_fn, timer, m = self.job, rl.run, rl.step_fn, Timer(), {}
         out_of_time = False
-        with self._logger("rl", job.rl.steps, step) as logger:
-            while step < job.rl.steps and not out_of_time:
+        with self._logger("rl", job.rl.steps, run.step) as logger:
+            while run.step < job.rl.steps and not out_of_time:
                 with timer.phase("rollout"):
-                    batch = self._next_batch(rollout, version)
+                    batch = self._next_batch(rl.rollout, run.policy_version)
                 reset_peak_memory()  # memory/peak_* below = this update's peak
                 with timer.phase("train"):
-                    m = self._from_last_stage(step_fn.train_step(batch, train_version=version))
+                    update = step_fn.start(batch, train_version=run.policy_version)
+                    # SAO: value targets, value update x K, advantages, policy update
+                    for phase in self.algorithm.schedule:
+                        step_fn.run(phase, update)
+                    m = broadcast_from_last_stage(step_fn.finish(update), self.parallel)
                 mem = peak_memory_gib()
-                version, step = version + 1, step + 1
+                run.step, run.policy_version = run.step + 1, run.policy_version + 1
                 with timer.phase("sync"):
-                    m |= self._publish(rollout, policy, version)
-                if job.rl.eval_interval and step % job.rl.eval_interval == 0:
-                    m |= self._evaluate(rollout)
-                if mgr.should_save(step) or step == job.rl.steps:
-                    with timer.phase("checkpoint"):
-                        self._save_rl(mgr, states, step, version, pretrain_done)
-                times = timer.summary()
-                elapsed = time.perf_counter() - start
+                    m |= self._publish(rl.rollout, step_fn.policy, run.policy_version)
+                if job.rl.eval_interval and run.step % job.rl.eval_interval == 0:
+                    m |= self._evaluate(rl.rollout)
+                elapsed = time.perf_counter() - self._clock
                 if job.rl.time_budget_s:  # rank 0's clock decides for every rank
-                    out_of_time = bool(_from_rank0(elapsed >= job.rl.time_budget_s))
-                m |= _episode_metrics(batch) | times | mem
-                m["time/rl_elapsed_s"] = elapsed
-                m["batch/num_trajectories"] = float(batch.num_trajectories)
-                m["throughput/train_tokens_per_s"] = int(batch.loss_mask.sum()) / max(
-                    times.get("time/train", 0.0), 1e-9
-                )
-                m |= _rollout_metrics(rollout.stats()) if rollout else {}
-                logger.log(step, m)
-        if out_of_time and not (mgr.should_save(step) or step == job.rl.steps):  # budget ended it
-            self._save_rl(mgr, states, step, version, pretrain_done)
+                    out_of_time = bool(broadcast_from_rank0(elapsed >= job.rl.time_budget_s))
+                m |= _episode_metrics(batch) | mem | {"time/rl_elapsed_s": elapsed}
+                m |= self._step_metrics(batch, timer.summary(), rl.rollout)
+                logger.log(run.step, m)
+                stop = signals.stop_requested()  # any rank got SIGTERM/SIGUSR1 (or the stop file)
+                if (
+                    stop
+                    or out_of_time
+                    or rl.checkpoints.should_save(run.step)
+                    or (run.step == job.rl.steps)
+                ):
+                    with timer.phase("checkpoint"):  # logged with the next step
+                        self._save_rl(rl)
+                if stop:  # saved at this step; rl_stage's finally stops the engines
+                    ckpt = rl.checkpoints.save_dir / step_dir_name(run.step)
+                    raise signals.StoppedBySignal(run.step, ckpt)
+        return m
+
+    def _finish_rl(self, rl: RLParts, m: dict[str, float]) -> None:
+        """Export the final policy, evaluate it and fill the summary."""
         runtime.export_policy_hf(
-            policy.unwrapped,
+            rl.step_fn.policy.unwrapped,
             self.spec,
             self.hf_config,
             self.tokenizer,
             self.parallel,
             self.run_dir / "hf_policy_final",
         )
-        self.summary |= {f"after/{k}": v for k, v in self._evaluate(rollout).items()}
+        self.summary |= {f"after/{k}": v for k, v in self._evaluate(rl.rollout).items()}
         self.summary |= {k: v for k, v in m.items() if k.startswith(("deviation/", "throughput/"))}
-        self.summary["rl/steps_done"] = float(step)
-        self.summary["rl/wall_s"] = time.perf_counter() - start
+        self.summary["rl/steps_done"] = float(rl.run.step)
+        self.summary["rl/wall_s"] = time.perf_counter() - self._clock
 
-    def _save_rl(self, mgr, states, step: int, version: int, pretrain_done: int) -> None:
-        cursor = _from_rank0({"tasks_consumed": self.tasks.consumed})
-        common = CommonState(
-            train_step=step,
-            policy_version=version,
-            data_cursor=cursor,
-            extra={"value_pretrain_steps": pretrain_done},
+    def _step_metrics(self, batch, times: dict[str, float], rollout) -> dict[str, float]:
+        out = dict(times)
+        out["batch/num_trajectories"] = float(batch.num_trajectories)
+        out["throughput/train_tokens_per_s"] = int(batch.loss_mask.sum()) / max(
+            times.get("time/train", 0.0), 1e-9
         )
-        self._save(mgr, states, common)
+        return out | (_rollout_metrics(rollout.stats()) if rollout else {})
+
+    def _save_rl(self, rl: RLParts) -> None:
+        common = CommonState(
+            train_step=rl.run.step,
+            policy_version=rl.run.policy_version,
+            data_cursor=broadcast_from_rank0(self.tasks.state_dict()),  # rank 0 pulls batches
+            extra={"rl_run_state": rl.run.state_dict()},
+        )
+        self._save(rl.checkpoints, rl.states, common)
 
     def _publish(self, rollout, policy, version: int) -> dict[str, float]:
         """Send the policy's weights as `version` to the engines (collective; rank 0 writes)."""
@@ -309,16 +436,6 @@ class Controller:
             "sync/failed_engines": float(len(sync.failed_engines)),
         }
 
-    def _from_last_stage(self, metrics: dict) -> dict:
-        """Loss metrics live on the last pipeline stage; give them to the logging rank."""
-        p = self.parallel
-        if p.cfg.pp == 1:
-            return metrics
-        box = [metrics]
-        src = dist.get_global_rank(p.pg_collection.pp, p.cfg.pp - 1)
-        dist.broadcast_object_list(box, src=src, group=p.pg_collection.pp)
-        return box[0]
-
     def _next_batch(self, rollout, version):
         """The next training batch on every rank (rank 0 pulls it from the rollout)."""
         trajs = None
@@ -326,8 +443,8 @@ class Controller:
             trajs = rollout.get_batch(version, timeout=self.job.rl.batch_timeout_s)
             # completion order is timing-dependent; a fixed order makes runs reproducible
             trajs.sort(key=lambda t: (_task_index(t.task_id), t.group_index))
-            self.tasks.consumed += len({t.task_id for t in trajs})
-        trajs = _from_rank0(trajs)
+            self.tasks.consume(len({t.task_id for t in trajs}))
+        trajs = broadcast_from_rank0(trajs)
         tp = self.parallel.cfg.tp if self.parallel.cfg.sequence_parallel else 1
         return pack_trajectories(
             trajs,
@@ -348,15 +465,7 @@ class Controller:
                 formatter=self.formatter,
                 rollout=job.rollout,
             )
-        return _from_rank0(out) or {}
-
-
-def _from_rank0(obj):
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-    return obj
+        return broadcast_from_rank0(out) or {}
 
 
 def _rollout_metrics(stats: dict) -> dict[str, float]:

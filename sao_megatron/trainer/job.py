@@ -7,10 +7,10 @@ value pre-training, RL) and the rules that span components. YAML files under
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sao_megatron.algorithm import registry
 from sao_megatron.algorithm.config import AlgorithmConfig
 from sao_megatron.data.demonstrations import DemonstrationConfig
 from sao_megatron.data.episode import EpisodeFormatConfig
@@ -124,7 +124,7 @@ class ValuePretrainConfig:
 
 @dataclass(kw_only=True)
 class RLConfig:
-    """The RL stage (SAO or the GRPO baseline, per algorithm.name).
+    """The RL stage (the algorithm of ``algorithm.name``: SAO, GRPO, GRPO+DIS).
 
     Fields:
         steps: policy updates (train steps).
@@ -212,39 +212,25 @@ class JobConfig:
         order = [STAGES.index(s) for s in self.stages]
         if order != sorted(order) or len(set(order)) != len(order):
             raise ValueError(f"stages={self.stages}: list each stage once, in the order {STAGES}")
-        if self.algorithm.name == "grpo" and "value_pretrain" in self.stages:
+        algorithm = registry.build(self.algorithm)
+        if "value_pretrain" in self.stages and not algorithm.needs_value_model:
             raise ValueError(
-                "stages contains value_pretrain but algorithm.name='grpo' has no value model; "
-                "remove it from stages"
+                f"stages contains value_pretrain but algorithm.name={algorithm.name!r} has no "
+                "value model; remove it from stages"
             )
-        if self.tokenizer.kind == "sentencepiece" and self.tokenizer.vocab_size > (
-            self.model.vocab_size
-        ):
+        trains_tokenizer = self.tokenizer.kind == "sentencepiece" and not self.tokenizer.path
+        if trains_tokenizer and self.tokenizer.vocab_size > self.model.vocab_size:
             raise ValueError(
                 f"tokenizer.vocab_size={self.tokenizer.vocab_size} exceeds model.vocab_size="
                 f"{self.model.vocab_size}: the embedding must hold every token id"
             )
-        # The rollout buffer enforces the algorithm's staleness bound and group size.
-        group = self.algorithm.grpo_group_size if self.algorithm.name == "grpo" else 1
-        for name, want in (
-            ("max_staleness", self.algorithm.max_staleness),
-            ("grpo_group_size", group),
-        ):
-            have = getattr(self.rollout, name)
-            if have != want:
-                if have != getattr(RolloutConfig(), name):
-                    warnings.warn(
-                        f"rollout.{name}={have} is ignored: a job derives it from the algorithm "
-                        f"section ({want}); set it there",
-                        stacklevel=2,
-                    )
-                setattr(self.rollout, name, want)
+        # The rollout samples `group_size` trajectories per task (RolloutManager(group_size=)).
+        group = algorithm.group_size
         if self.rollout.trajectories_per_batch % group:
             raise ValueError(
                 f"rollout.trajectories_per_batch={self.rollout.trajectories_per_batch} is not a "
-                f"multiple of algorithm.grpo_group_size={group}"
+                f"multiple of the group size {group} (algorithm.grpo.group_size)"
             )
-        self.rollout.temperature = float(self.rollout.temperature)
 
     # Derived paths -----------------------------------------------------------------------
     @property

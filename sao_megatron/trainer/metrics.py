@@ -24,7 +24,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -56,8 +56,10 @@ STANDARD_METRICS: dict[str, str] = {
     "throughput/steps_per_s": "train steps/s (added by MetricsLogger)",
     "rollout/worker_utilization": "busy fraction of rollout workers, 0..1",
     "time/rollout": "s per step waiting for trajectories",
-    "time/value": "s per step in value forward + updates",
-    "time/policy": "s per step in the policy update",
+    "time/value": "s per step in the value phases (value targets + K value updates)",
+    "time/old_logprobs": "s per step recomputing the old log-probs (GRPO)",
+    "time/advantages": "s per step computing advantages (SAO: with a fresh value forward)",
+    "time/policy": "s per step in the policy update alone (every algorithm)",
     "time/sync": "s per step publishing weights",
     "time/checkpoint": "s per step saving checkpoints",
     "memory/peak_rss_gib": "peak resident host memory, GiB",
@@ -76,8 +78,9 @@ PROGRESS_KEYS: dict[str, str] = {
 class LoggingConfig:
     """Where and how metrics are written.
 
+    The folder is the logger's ``run_dir`` argument (a job: run_dir/<stage>), not a field.
+
     Fields:
-        run_dir: folder for metrics.jsonl and tensorboard/ (created).
         tensorboard: write TensorBoard event files.
         wandb: also log to Weights & Biases (needs ``pip install wandb``; a warning otherwise).
         wandb_project: W&B project name.
@@ -86,7 +89,11 @@ class LoggingConfig:
         console: show a tqdm progress bar on the logging rank.
     """
 
-    run_dir: str = "runs/default"
+    #: former fields -> the fix, for migration errors (sao_megatron.configs)
+    MOVED_FIELDS: ClassVar[dict[str, str]] = {
+        "run_dir": "was removed: metrics go to <run_dir>/<stage>/; set the top-level run_dir",
+    }
+
     tensorboard: bool = True
     wandb: bool = False
     wandb_project: str = "sao_megatron"
@@ -94,8 +101,6 @@ class LoggingConfig:
     console: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.run_dir, str) or not self.run_dir:
-            raise ValueError(f"logging.run_dir={self.run_dir!r}: must be a non-empty path")
         if self.log_interval < 1:
             raise ValueError(f"logging.log_interval={self.log_interval}: must be >= 1")
 
@@ -118,6 +123,7 @@ class MetricsLogger:
 
     Args:
         config: the logging config.
+        run_dir: folder for metrics.jsonl and tensorboard/ (created on the logging rank).
         is_logging_rank: True on exactly one rank (rank 0 of the last PP stage); all others
             no-op.
         total_steps: number of train steps, for the progress bar (None = unknown).
@@ -127,6 +133,7 @@ class MetricsLogger:
     def __init__(
         self,
         config: LoggingConfig,
+        run_dir: str | Path,
         *,
         is_logging_rank: bool,
         total_steps: int | None = None,
@@ -134,7 +141,7 @@ class MetricsLogger:
     ) -> None:
         self.config = config
         self.enabled = is_logging_rank
-        self.run_dir = Path(config.run_dir)
+        self.run_dir = Path(run_dir)
         self._file = None
         self._tb = None
         self._wandb = None

@@ -1,12 +1,15 @@
-"""One RL train step on a packed batch: SAO (value, value, policy with DIS) or GRPO (PPO-clip).
+"""One RL train step on a packed batch: the phases of the algorithm's schedule, on Megatron.
 
-The order of work per step (DESIGN.md section 3, "Schedule"):
+`RLStep` executes the `Phase`s an algorithm object lists in ``algorithm.schedule``
+(`sao_megatron.algorithm.base`); the math of each phase (advantages, policy loss) is the
+algorithm's, the execution (sharding, micro-batches, forward/backward, optimiser steps) is here:
 
-SAO:  value forward -> returns (lam_value) and V_old -> value update x K (K =
-      algorithm.value_updates_per_policy_update) -> value forward -> advantages (lam_policy) with
-      the updated critic -> policy update with direct importance sampling on the behaviour
-      log-probs recorded by the rollout engine (no recomputation of "old" log-probs).
-GRPO: policy forward (no grad) for the old log-probs -> group advantages -> PPO-clip update.
+SAO:      VALUE_TARGETS -> VALUE_UPDATE x K -> ADVANTAGES (updated critic) -> POLICY_UPDATE
+GRPO:     OLD_LOGPROBS -> ADVANTAGES (group statistics) -> POLICY_UPDATE (PPO-clip)
+GRPO+DIS: ADVANTAGES (group statistics) -> POLICY_UPDATE (DIS on the behaviour log-probs)
+
+Each phase's seconds go to ``time/<phase.timer>``: time/value, time/old_logprobs,
+time/advantages and time/policy (the policy update alone, for every algorithm).
 
 Data parallelism: the caller hands every rank the same global `TrainBatch`; each DP rank keeps
 whole trajectories (whole GRPO groups) so GAE and group statistics stay local, pads to the same
@@ -20,14 +23,13 @@ positions, so every extra handed to a loss is shifted with `_pred`.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from sao_megatron.algorithm.advantages import compute_advantages
-from sao_megatron.algorithm.config import AlgorithmConfig
-from sao_megatron.algorithm.losses import policy_loss, value_loss
+from sao_megatron.algorithm.base import AdvantageInputs, Algorithm, Phase
+from sao_megatron.algorithm.losses import value_loss
 from sao_megatron.algorithm.metrics import explained_variance, off_policy_metrics
 from sao_megatron.data.batch import TrainBatch, gather_to_streams, scatter_from_streams
 from sao_megatron.models.forward import (
@@ -38,6 +40,7 @@ from sao_megatron.models.forward import (
 )
 from sao_megatron.optim.builder import TrainState
 from sao_megatron.parallel.state import ParallelState
+from sao_megatron.rollout.staleness import stale_token_mask
 
 #: off_policy_metrics() names -> logged names (sao_megatron.trainer.metrics.STANDARD_METRICS)
 DEVIATION_NAMES = {
@@ -92,6 +95,8 @@ def local_batch(batch: TrainBatch, rows: torch.Tensor, trajs: torch.Tensor) -> T
         task_ids=[batch.task_ids[i] for i in trajs.tolist()],
         group_index=batch.group_index[trajs],
         temperature=batch.temperature,
+        top_p=batch.top_p,
+        top_k=batch.top_k,
     )
 
 
@@ -99,49 +104,186 @@ def local_batch(batch: TrainBatch, rows: torch.Tensor, trajs: torch.Tensor) -> T
 class StepConfig:
     """Execution settings of a train step (not algorithm math).
 
-    micro_batch_size: rows per micro-batch in forward/backward passes.
+    micro_batch_size: rows per micro-batch in forward/backward passes (rl.micro_batch_size).
+    max_staleness: per-token off-policy bound (rollout.max_staleness): action tokens sampled more
+        than this many versions before the trained one leave the policy loss (advantage 0; they
+        stay in the token-mean denominator, like DIS-band drops) and the deviation metrics.
+        None: no per-token bound.
     """
 
     micro_batch_size: int = 4
+    max_staleness: int | None = None
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
-            raise ValueError(f"trainer.micro_batch_size={self.micro_batch_size}: must be >= 1")
+            raise ValueError(f"rl.micro_batch_size={self.micro_batch_size}: must be >= 1")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"rollout.max_staleness={self.max_staleness}: must be >= 0")
+
+
+@dataclass(kw_only=True)
+class StepState:
+    """What the phases of one train step hand each other, on this DP rank.
+
+    batch: this rank's trajectories, padded to a common row count [R, T] (see `RLStep.start`).
+    num_real_rows: rows of `batch` before padding. train_version: the policy version trained.
+    num_tokens / num_sequences: global action tokens / rows with action tokens (denominators).
+    values: (at_tokens, raw) [R, T] float32 V_old from VALUE_TARGETS (see `RLStep._values`).
+    returns, value_mask: [R, T] value targets and where the value loss is taken.
+    num_value_tokens: global count of value_mask (the value loss denominator).
+    value_updates: VALUE_UPDATE phases done so far.
+    old_logprobs: [R, T-1] float32 l_old at prediction positions (OLD_LOGPROBS).
+    advantages: [R, T] float32 at token positions (ADVANTAGES).
+    logprobs, entropy: [R, T-1] float32 of the policy update's forward (POLICY_UPDATE).
+    stale: [R, T-1] bool, action tokens beyond the per-token staleness bound (prediction
+        positions; all False without a bound).
+    metrics: what the phases measured (returned by `RLStep.finish`).
+    """
+
+    batch: TrainBatch
+    num_real_rows: int
+    train_version: int
+    num_tokens: float
+    num_sequences: float
+    values: tuple[torch.Tensor, torch.Tensor] | None = None
+    returns: torch.Tensor | None = None
+    value_mask: torch.Tensor | None = None
+    num_value_tokens: float = 0.0
+    value_updates: int = 0
+    old_logprobs: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    stale: torch.Tensor | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class RLStep:
-    """Runs SAO or GRPO updates of the policy (and value model) on packed batches.
+    """Runs an algorithm's update schedule on packed batches (policy and, if any, value model).
+
+    Use ``train_step(batch, version)``, or, to see the schedule at the call site::
+
+        state = step.start(batch, train_version=version)
+        for phase in step.algorithm.schedule:     # e.g. SAO: value x K, advantages, policy
+            step.run(phase, state)
+        metrics = step.finish(state)
 
     Args:
-        algorithm: the algorithm config (name "sao" or "grpo").
+        algorithm: the algorithm object (`sao_megatron.algorithm.registry.build(config)`).
         parallel: this rank's parallel state.
         policy: policy `TrainState` (DDP model, optimiser, LR scheduler).
-        value: value-model `TrainState`; required for SAO, must be None for GRPO.
+        value: value-model `TrainState`; required iff ``algorithm.needs_value_model``.
         step_cfg: micro-batching.
+    Raises ValueError when the value model does not match the algorithm.
     """
 
     def __init__(
         self,
-        algorithm: AlgorithmConfig,
+        algorithm: Algorithm,
         parallel: ParallelState,
         policy: TrainState,
         value: TrainState | None,
         step_cfg: StepConfig,
     ) -> None:
-        if algorithm.name == "sao" and value is None:
-            raise ValueError("algorithm.name='sao' needs a value model")
-        if algorithm.kl_coef > 0:
+        if algorithm.needs_value_model and value is None:
+            raise ValueError(f"algorithm.name={algorithm.name!r} needs a value model")
+        if not algorithm.needs_value_model and value is not None:
             raise ValueError(
-                "algorithm.kl_coef > 0 needs a reference model, which the trainer does not build "
-                "yet; set algorithm.kl_coef=0"
+                f"algorithm.name={algorithm.name!r} has no value model: pass value=None"
             )
-        self.algo, self.parallel, self.policy, self.value, self.cfg = (
-            algorithm,
-            parallel,
-            policy,
-            value,
-            step_cfg,
+        self.algorithm, self.config = algorithm, algorithm.config
+        self.parallel, self.policy, self.value, self.cfg = parallel, policy, value, step_cfg
+        self._phases = {
+            Phase.VALUE_TARGETS: self._value_targets,
+            Phase.VALUE_UPDATE: self._value_update,
+            Phase.OLD_LOGPROBS: self._old_logprobs,
+            Phase.ADVANTAGES: self._advantages_phase,
+            Phase.POLICY_UPDATE: self._policy_update,
+        }
+
+    # ---------------------------------------------------------------------- the step
+    def train_step(self, batch: TrainBatch, train_version: int) -> dict[str, float]:
+        """Run the algorithm's schedule on the global `batch` (identical on all ranks).
+
+        Args:
+            batch: the packed global batch.
+            train_version: the policy version being trained (before this update); used for the
+                version-lag metrics.
+        Returns: metrics (same on every rank of the last pipeline stage).
+        """
+        state = self.start(batch, train_version)
+        for phase in self.algorithm.schedule:
+            self.run(phase, state)
+        return self.finish(state)
+
+    def value_step(self, batch: TrainBatch) -> dict[str, float]:
+        """Value pre-training: the schedule's value phases on `batch`, the policy untouched."""
+        if self.value is None:
+            raise ValueError(
+                f"value_step() needs a value model (algorithm.name={self.algorithm.name!r})"
+            )
+        state = self.start(batch, train_version=0)
+        for phase in self.algorithm.schedule:
+            if phase in (Phase.VALUE_TARGETS, Phase.VALUE_UPDATE):
+                self.run(phase, state)
+        self._critic_after_updates(state)
+        return {k: v for k, v in state.metrics.items() if not k.startswith("batch/")}
+
+    def start(self, batch: TrainBatch, train_version: int) -> StepState:
+        """This DP rank's share of `batch` and the global loss denominators."""
+        b, n_real = self._shard(batch)
+        n_tokens = self._dp_sum(int(_pred(b.action_mask).sum()))
+        n_seqs = self._dp_sum(int((b.action_mask.sum(1) > 0).sum()))
+        versions = _pred(b.policy_versions)
+        if self.cfg.max_staleness is None:
+            stale = torch.zeros(versions.shape, dtype=torch.bool)
+        else:
+            stale = stale_token_mask(versions, train_version, self.cfg.max_staleness)
+        state = StepState(
+            batch=b,
+            num_real_rows=n_real,
+            train_version=train_version,
+            num_tokens=n_tokens,
+            num_sequences=n_seqs,
+            stale=stale,
         )
+        n_stale = self._dp_sum(int((stale & _pred(b.action_mask)).sum()))
+        state.metrics |= {
+            "batch/num_action_tokens": n_tokens,
+            "batch/num_rows": n_seqs,
+            "deviation/stale_token_fraction": n_stale / max(n_tokens, 1.0),
+        }
+        return state
+
+    def run(self, phase: Phase, state: StepState) -> None:
+        """Run one phase on `state`, adding its seconds to ``time/<phase.timer>``."""
+        t0 = time.perf_counter()
+        self._phases[phase](state)
+        key = f"time/{phase.timer}"
+        state.metrics[key] = state.metrics.get(key, 0.0) + time.perf_counter() - t0
+
+    def finish(self, state: StepState) -> dict[str, float]:
+        """The step's metrics, with the deviation between trainer and behaviour policy."""
+        metrics, b = state.metrics, state.batch
+        if state.logprobs is not None:
+            mask = _pred(b.action_mask) & ~state.stale  # the tokens the policy loss trained on
+            imp = self.config.importance
+            dev = off_policy_metrics(
+                state.logprobs,
+                _pred(b.behaviour_logprobs),
+                mask,
+                eps_low=imp.eps_low,
+                eps_high=imp.eps_high,
+                policy_versions=_pred(b.policy_versions),
+                train_version=state.train_version,
+            )
+            metrics.update({DEVIATION_NAMES.get(k, f"deviation/{k}"): v for k, v in dev.items()})
+            n_local = max(int(mask.sum()), 1)
+            metrics["policy/entropy"] = float(torch.where(mask, state.entropy, 0.0).sum() / n_local)
+            metrics["policy/advantage_mean"] = float(
+                torch.where(mask, _pred(state.advantages), 0.0).sum() / n_local
+            )
+        return metrics
 
     # ---------------------------------------------------------------------- helpers
     def _dp_sum(self, x: float) -> float:
@@ -185,7 +327,7 @@ class RLStep:
         """This DP rank's trajectories, padded to a common row count (multiple of mbs)."""
         p = self.parallel
         rows, trajs = shard_for_data_parallel(
-            batch, p.dp_rank, p.dp, by_group=self.algo.name == "grpo"
+            batch, p.dp_rank, p.dp, by_group=self.algorithm.keeps_groups_together
         )
         counts = torch.tensor([len(rows)], dtype=torch.long)
         if p.dp > 1:
@@ -195,13 +337,12 @@ class RLStep:
         if len(trajs) == 0:
             raise ValueError(
                 f"data-parallel rank {p.dp_rank} got no trajectory: the batch has "
-                f"{batch.num_trajectories} trajectories (or GRPO groups) for {p.dp} DP ranks; "
-                "raise rl.trajectories_per_step to at least the data-parallel size"
+                f"{batch.num_trajectories} trajectories (or groups) for {p.dp} DP ranks; "
+                "raise rollout.trajectories_per_batch to at least the data-parallel size"
             )
         local = local_batch(batch, rows, trajs)
         return self._pad_rows(local, target), local.num_rows
 
-    # ---------------------------------------------------------------------- values/advantages
     def _values(self, b: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Value-model outputs for the local batch, no gradient.
 
@@ -219,25 +360,25 @@ class RLStep:
         at_tokens[:, 1:] = raw[:, :-1]
         return at_tokens, raw
 
-    def _advantages(self, b: TrainBatch, num_real_rows: int, values=None):
-        """Advantages/returns/value mask at token positions [B, T] for the padded local batch.
-
-        values: (at_tokens, raw) from `_values` (SAO) or None (GRPO).
-        """
+    def _advantages(self, state: StepState, values=None):
+        """The algorithm's advantages/returns/value mask at token positions [B, T] for the padded
+        local batch; values: (at_tokens, raw) from `_values`, or None."""
+        b, num_real_rows = state.batch, state.num_real_rows
         real = _real_rows(b, num_real_rows)
         node_idx, valid = gather_to_streams(real, real.node_index)
-        kw = dict(node_rewards=real.node_rewards, node_index=node_idx, action_mask=valid)
-        if self.algo.name == "grpo":
-            groups = {tid: i for i, tid in enumerate(dict.fromkeys(real.task_ids))}
-            gid = torch.tensor([groups[t] for t in real.task_ids], dtype=torch.long)
-            out = compute_advantages(self.algo, **kw, group_ids=gid)
-        else:
+        groups = {tid: i for i, tid in enumerate(dict.fromkeys(real.task_ids))}
+        inputs = AdvantageInputs(
+            node_rewards=real.node_rewards,
+            node_index=node_idx,
+            action_mask=valid,
+            truncated=real.truncated,
+            group_ids=torch.tensor([groups[t] for t in real.task_ids], dtype=torch.long),
+        )
+        if values is not None:
             at_tokens, raw = values
-            v_streams, _ = gather_to_streams(real, at_tokens[:num_real_rows])
-            boot = _last_state_values(real, raw)
-            out = compute_advantages(
-                self.algo, **kw, values=v_streams, truncated=real.truncated, bootstrap_values=boot
-            )
+            inputs.values, _ = gather_to_streams(real, at_tokens[:num_real_rows])
+            inputs.bootstrap_values = _last_state_values(real, raw)
+        out = self.algorithm.advantages(inputs)
 
         def back(x):
             full = torch.zeros(b.token_ids.shape, dtype=x.dtype)
@@ -249,9 +390,27 @@ class RLStep:
         vmask = back(out.value_mask.float()).bool() if out.value_mask is not None else None
         return adv, ret, vmask
 
-    # ---------------------------------------------------------------------- updates
-    def _value_update(self, b, old_values, returns, vmask, n_value) -> dict[str, float]:
-        algo = self.algo
+    def _critic_after_updates(self, state: StepState) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fresh values after the value updates, and how well they fit the targets."""
+        values = self._values(state.batch)
+        returns, vmask = state.returns, state.value_mask
+        state.metrics["value/explained_variance"] = explained_variance(values[0], returns, vmask)
+        state.metrics["value/return_mean"] = float(returns[vmask].mean()) if vmask.any() else 0.0
+        return values
+
+    # ---------------------------------------------------------------------- phases
+    def _value_targets(self, state: StepState) -> None:
+        """VALUE_TARGETS: V_old and the value targets with the critic before its updates."""
+        state.values = self._values(state.batch)
+        _, state.returns, state.value_mask = self._advantages(state, state.values)
+        state.num_value_tokens = self._dp_sum(int(_pred(state.value_mask).sum()))
+        state.metrics["value/explained_variance_before"] = explained_variance(
+            state.values[0], state.returns, state.value_mask
+        )
+
+    def _value_update(self, state: StepState) -> None:
+        """VALUE_UPDATE: one optimiser step of the clipped value loss on V_old / returns."""
+        clip, n_value, b = self.config.sao.value_clip, state.num_value_tokens, state.batch
 
         def loss_fn(outputs, mb):
             v = outputs["values"][:, :-1]  # prediction p scores the state before token p+1
@@ -261,16 +420,16 @@ class RLStep:
                 e["old_values"],
                 e["returns"],
                 e["value_mask"],
-                clip=algo.value_clip,
+                clip=clip,
                 mode="token_mean",
                 num_tokens=n_value,
             )
             return loss, {}
 
         extras = {
-            "old_values": _pred(old_values),
-            "returns": _pred(returns),
-            "value_mask": _pred(vmask),
+            "old_values": _pred(state.values[0]),
+            "returns": _pred(state.returns),
+            "value_mask": _pred(state.value_mask),
         }
         self.value.zero_grad()
         recs = forward_backward(
@@ -284,22 +443,44 @@ class RLStep:
         ok, grad_norm = self.value.step()
         loss = self._dp_sum(sum(float(r["loss"]) for r in recs))
         lr = self.value.optimizer.param_groups[0]["lr"]
-        return {
+        state.metrics |= {  # standard names hold the last update's figures
             "loss/value": loss,
             "grad_norm/value": _f(grad_norm),
             "value/update_ok": float(ok),
             "lr/value": float(lr),
+            f"value/loss_{state.value_updates}": loss,
         }
+        state.value_updates += 1
 
-    def _policy_update(self, b, adv, old_logprobs, n_tokens, n_seqs):
-        algo = self.algo
+    def _old_logprobs(self, state: StepState) -> None:
+        """OLD_LOGPROBS: l_old of the policy before this update (forward, no grad)."""
+        b = state.batch
+        old, _ = compute_policy_logprobs(
+            self.policy.model,
+            self.parallel,
+            self._inputs(b, {}),
+            b.temperature,
+            self.cfg.micro_batch_size,
+            top_p=b.top_p,
+            top_k=b.top_k,
+        )
+        state.old_logprobs = old.cpu()
+
+    def _advantages_phase(self, state: StepState) -> None:
+        """ADVANTAGES: the algorithm's advantages (with the critic after its updates, if any)."""
+        values = self._critic_after_updates(state) if self.value is not None else None
+        state.advantages, _, _ = self._advantages(state, values)
+
+    def _policy_update(self, state: StepState) -> None:
+        """POLICY_UPDATE: one optimiser step of the algorithm's policy loss (+ entropy bonus)."""
+        algorithm, b = self.algorithm, state.batch
+        n_tokens, n_seqs = state.num_tokens, state.num_sequences
+        entropy_coef = self.config.entropy_coef
 
         def loss_fn(outputs, mb):
             e = mb.extras
-            lp = outputs["logprobs"]
-            loss = policy_loss(
-                algo,
-                logprobs=lp,
+            loss = algorithm.policy_loss(
+                logprobs=outputs["logprobs"],
                 behaviour_logprobs=e["behaviour_logprobs"],
                 advantages=e["advantages"],
                 action_mask=e["action_mask"],
@@ -307,18 +488,20 @@ class RLStep:
                 num_tokens=n_tokens,
                 num_sequences=n_seqs,
             )
-            if algo.entropy_coef:
-                ent = torch.where(e["action_mask"], outputs["entropy"], 0.0).sum() / n_tokens
-                loss = loss - algo.entropy_coef * ent
+            if entropy_coef:
+                fresh = e["action_mask"] & ~e["stale"]
+                ent = torch.where(fresh, outputs["entropy"], 0.0).sum() / n_tokens
+                loss = loss - entropy_coef * ent
             return loss, {}
 
         extras = {
             "behaviour_logprobs": _pred(b.behaviour_logprobs),
-            "advantages": _pred(adv),
+            "advantages": torch.where(state.stale, 0.0, _pred(state.advantages)),
             "action_mask": _pred(b.action_mask),
+            "stale": state.stale,
         }
-        if old_logprobs is not None:
-            extras["old_logprobs"] = old_logprobs
+        if state.old_logprobs is not None:
+            extras["old_logprobs"] = state.old_logprobs
         self.policy.zero_grad()
         recs = forward_backward(
             self.policy.model,
@@ -328,96 +511,21 @@ class RLStep:
             loss_fn=loss_fn,
             micro_batch_size=self.cfg.micro_batch_size,
             temperature=b.temperature,
+            top_p=b.top_p,
+            top_k=b.top_k,
         )
         ok, grad_norm = self.policy.step()
-        logprobs = torch.cat([r["logprobs"] for r in recs]).cpu() if recs else None
-        entropy = torch.cat([r["entropy"] for r in recs]).cpu() if recs else None
+        if recs:
+            state.logprobs = torch.cat([r["logprobs"] for r in recs]).cpu()
+            state.entropy = torch.cat([r["entropy"] for r in recs]).cpu()
         loss = self._dp_sum(sum(float(r["loss"]) for r in recs))
         lr = self.policy.optimizer.param_groups[0]["lr"]
-        metrics = {
+        state.metrics |= {
             "loss/policy": loss,
             "grad_norm/policy": _f(grad_norm),
             "policy/update_ok": float(ok),
             "lr/policy": float(lr),
         }
-        return metrics, logprobs, entropy
-
-    # ---------------------------------------------------------------------- the step
-    def _value_phase(self, b: TrainBatch, n_real: int, metrics: dict) -> tuple:
-        """V_old and returns, K value updates, then fresh values; returns the fresh values."""
-        values = self._values(b)
-        _, returns, vmask = self._advantages(b, n_real, values)
-        n_value = self._dp_sum(int(_pred(vmask).sum()))
-        metrics["value/explained_variance_before"] = explained_variance(values[0], returns, vmask)
-        for k in range(self.algo.value_updates_per_policy_update):
-            m = self._value_update(b, values[0], returns, vmask, n_value)
-            metrics.update(m)  # standard names hold the last update's figures
-            metrics[f"value/loss_{k}"] = m["loss/value"]
-        values_new = self._values(b)
-        metrics["value/explained_variance"] = explained_variance(values_new[0], returns, vmask)
-        metrics["value/return_mean"] = float(returns[vmask].mean()) if vmask.any() else 0.0
-        return values_new
-
-    def value_step(self, batch: TrainBatch) -> dict[str, float]:
-        """Value pre-training: the critic's K updates on `batch`, the policy untouched."""
-        if self.value is None:
-            raise ValueError("value_step() needs a value model (algorithm.name='sao')")
-        b, n_real = self._shard(batch)
-        metrics: dict[str, float] = {}
-        self._value_phase(b, n_real, metrics)
-        return metrics
-
-    def train_step(self, batch: TrainBatch, train_version: int) -> dict[str, float]:
-        """Run one SAO or GRPO step on the global `batch` (identical on all ranks).
-
-        Args:
-            batch: the packed global batch.
-            train_version: the policy version being trained (before this update); used for the
-                version-lag metrics.
-        Returns: metrics (same on every rank of the last pipeline stage).
-        """
-        b, n_real = self._shard(batch)
-        n_tokens = self._dp_sum(int(_pred(b.action_mask).sum()))
-        n_seqs = self._dp_sum(int((b.action_mask.sum(1) > 0).sum()))
-        metrics: dict[str, float] = {"batch/num_action_tokens": n_tokens, "batch/num_rows": n_seqs}
-        old_logprobs = None
-        t0 = time.perf_counter()
-        if self.algo.name == "sao":
-            values = self._value_phase(b, n_real, metrics)
-            adv, _, _ = self._advantages(b, n_real, values)  # with the critic after its updates
-            metrics["time/value"] = time.perf_counter() - t0
-        else:
-            old_logprobs, _ = compute_policy_logprobs(
-                self.policy.model,
-                self.parallel,
-                self._inputs(b, {}),
-                b.temperature,
-                self.cfg.micro_batch_size,
-            )
-            old_logprobs = old_logprobs.cpu()
-            adv, _, _ = self._advantages(b, n_real, None)
-        t1 = time.perf_counter()
-        pm, logprobs, entropy = self._policy_update(b, adv, old_logprobs, n_tokens, n_seqs)
-        metrics.update(pm)
-        metrics["time/policy"] = time.perf_counter() - (t1 if self.algo.name == "sao" else t0)
-        if logprobs is not None:
-            mask = _pred(b.action_mask)
-            dev = off_policy_metrics(
-                logprobs,
-                _pred(b.behaviour_logprobs),
-                mask,
-                eps_low=self.algo.eps_low,
-                eps_high=self.algo.eps_high,
-                policy_versions=_pred(b.policy_versions),
-                train_version=train_version,
-            )
-            metrics.update({DEVIATION_NAMES.get(k, f"deviation/{k}"): v for k, v in dev.items()})
-            n_local = max(int(mask.sum()), 1)
-            metrics["policy/entropy"] = float(torch.where(mask, entropy, 0.0).sum() / n_local)
-            metrics["policy/advantage_mean"] = float(
-                torch.where(_pred(b.action_mask), _pred(adv), 0.0).sum() / n_local
-            )
-        return metrics
 
 
 def _f(x) -> float:

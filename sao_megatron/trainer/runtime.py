@@ -24,16 +24,12 @@ from sao_megatron.models import (
 from sao_megatron.models.config import MoEModelConfig
 from sao_megatron.optim.builder import TrainState, build_optimizer
 from sao_megatron.optim.config import OptimizerConfig
+from sao_megatron.parallel.collectives import barrier
 from sao_megatron.parallel.state import ParallelState
 from sao_megatron.trainer.job import JobConfig
 from sao_megatron.weight_sync import export_hf, gather_hf_weights
 
 log = logging.getLogger("sao_megatron.trainer")
-
-
-def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
 
 
 def prepare_tokenizer(job: JobConfig, rank: int) -> Tokenizer:
@@ -60,25 +56,34 @@ def prepare_tokenizer(job: JobConfig, rank: int) -> Tokenizer:
     return tok
 
 
-def fit_vocab_to_tokenizer(job: JobConfig, tokenizer: Tokenizer, tp: int) -> None:
-    """Shrink ``model.vocab_size`` to the size of a tokenizer the job trained itself.
+def fit_vocab_to_tokenizer(job: JobConfig, tokenizer: Tokenizer, tp: int) -> JobConfig:
+    """The job with ``model.vocab_size`` shrunk to a tokenizer the job trained itself.
 
     A trained sentencepiece vocabulary is often smaller than asked for (templated corpora have
     few pieces); embedding rows past it would be ids the policy can sample but no tokenizer can
     decode. The new size is rounded up to a multiple of TP (Megatron splits the vocabulary).
     A configured tokenizer (``tokenizer.path``) leaves the model as configured.
+
+    Returns a new JobConfig (`job` is not modified; it is returned as is when nothing changes)
+    whose ``model.vocab_size`` is the fitted size and whose ``tokenizer.path`` is the trained
+    tokenizer (run_dir/tokenizer), so that it loads and validates as it is. The caller trains,
+    checkpoints and writes ``config.yaml`` from the returned config: the saved config is the
+    trained one.
     """
-    if job.tokenizer.path:
-        return
     size = -(-tokenizer.vocab_size // tp) * tp
-    if size < job.model.vocab_size:
-        log.info(
-            "model.vocab_size %d -> %d: the trained tokenizer has %d tokens",
-            job.model.vocab_size,
-            size,
-            tokenizer.vocab_size,
-        )
-        job.model = dataclasses.replace(job.model, vocab_size=size)
+    if job.tokenizer.path or size >= job.model.vocab_size:
+        return job
+    log.info(
+        "model.vocab_size %d -> %d: the trained tokenizer has %d tokens",
+        job.model.vocab_size,
+        size,
+        tokenizer.vocab_size,
+    )
+    return dataclasses.replace(
+        job,
+        model=dataclasses.replace(job.model, vocab_size=size),
+        tokenizer=dataclasses.replace(job.tokenizer, path=str(job.run_path / "tokenizer")),
+    )
 
 
 def hf_config_for(model: MoEModelConfig, tokenizer: Tokenizer, dtype: str) -> dict:

@@ -10,7 +10,6 @@ import torch
 
 from sao_megatron.algorithm.advantages import (
     action_token_gae,
-    compute_advantages,
     final_next_values,
     grpo_advantages,
     length_adaptive_lambda,
@@ -18,7 +17,6 @@ from sao_megatron.algorithm.advantages import (
     node_gae,
     token_rewards_from_nodes,
 )
-from sao_megatron.algorithm.config import AlgorithmConfig
 from sao_megatron.algorithm.scan import compact, discounted_reverse_cumsum, expand
 from sao_megatron.data.trajectory import ActionNode, Trajectory
 from tests.algorithm.batches import random_batch
@@ -312,68 +310,3 @@ def test_masked_whiten_matches_reference():
     ref = torch.where(bt.action_mask, (x - mean) / std, 0.0)
     torch.testing.assert_close(masked_whiten(x, bt.action_mask), ref)
     assert not masked_whiten(x, torch.zeros_like(bt.action_mask)).any()
-
-
-# ---------------------------------------------------------------- dispatcher
-
-
-@pytest.mark.parametrize("granularity", ["action_token", "node_last_token", "node_mean"])
-def test_compute_advantages_dispatch(granularity):
-    bt = random_batch(7)
-    cfg = AlgorithmConfig(advantage_granularity=granularity, gamma=0.95, lam_policy=0.9)
-    out = compute_advantages(
-        cfg,
-        node_rewards=bt.node_rewards,
-        node_index=bt.node_index,
-        action_mask=bt.action_mask,
-        values=bt.values,
-        truncated=bt.truncated,
-        bootstrap_values=bt.bootstrap_values,
-    )
-    if granularity == "action_token":
-        ref, _ = ref_token_gae(bt, 0.95, 0.9, 1.0, True)
-    else:
-        mode = "last_token" if granularity == "node_last_token" else "mean"
-        ref, _, _ = ref_node_gae(bt, 0.95, 0.9, 1.0, True, mode)
-    torch.testing.assert_close(out.advantages, ref)
-    white = compute_advantages(
-        AlgorithmConfig(
-            advantage_granularity=granularity, gamma=0.95, lam_policy=0.9, whiten_advantages=True
-        ),
-        node_rewards=bt.node_rewards,
-        node_index=bt.node_index,
-        action_mask=bt.action_mask,
-        values=bt.values,
-        truncated=bt.truncated,
-        bootstrap_values=bt.bootstrap_values,
-    )
-    torch.testing.assert_close(white.advantages, masked_whiten(ref, bt.action_mask))
-
-
-def test_compute_advantages_grpo_broadcasts_to_action_tokens():
-    bt = random_batch(8, batch=8)
-    groups = torch.tensor([0, 0, 1, 1, 1, 2, 3, 3])
-    out = compute_advantages(
-        AlgorithmConfig(name="grpo"),
-        node_rewards=bt.node_rewards,
-        node_index=bt.node_index,
-        action_mask=bt.action_mask,
-        group_ids=groups,
-    )
-    per_row = ref_grpo(bt.node_rewards.sum(1).tolist(), groups.tolist(), True, 1e-6)
-    torch.testing.assert_close(out.advantages, torch.where(bt.action_mask, per_row[:, None], 0.0))
-    assert out.returns is None
-    with pytest.raises(ValueError, match="group_ids"):
-        compute_advantages(
-            AlgorithmConfig(name="grpo"),
-            node_rewards=bt.node_rewards,
-            node_index=bt.node_index,
-            action_mask=bt.action_mask,
-        )
-    with pytest.raises(ValueError, match="values"):
-        compute_advantages(
-            AlgorithmConfig(),
-            node_rewards=bt.node_rewards,
-            node_index=bt.node_index,
-            action_mask=bt.action_mask,
-        )

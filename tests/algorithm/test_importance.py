@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from sao_megatron.algorithm.config import AlgorithmConfig
+from sao_megatron.algorithm.config import ImportanceConfig
 from sao_megatron.algorithm.importance import (
     decoupled_ppo_weights,
     dis_band_weights,
@@ -127,11 +127,7 @@ def test_seq_geo_mask():
 )
 def test_dispatch_selects_each_variant(inputs, kind):
     lp, blp, mask = inputs
-    cfg = AlgorithmConfig(
-        name="grpo" if kind == "decoupled_ppo" else "sao",
-        importance_weighting=kind,
-        decoupled_weight_cap=4.0,
-    )
+    cfg = ImportanceConfig(weighting=kind, decoupled_weight_cap=4.0)
     got = importance_weights(cfg, lp, blp, mask)
     expect = {
         "dis_band": lambda: dis_band_weights(lp, blp, mask, cfg.eps_low, cfg.eps_high),

@@ -16,7 +16,7 @@ CONFIG = str(ROOT / "examples" / "configs" / "bench_long_horizon.yaml")
 @pytest.mark.parametrize("flag_first", [True, False])
 def test_print_config_applies_overrides_wherever_the_flag_is(capsys, flag_first):
     overrides = [
-        "algorithm.importance_weighting=ppo_clip",
+        "algorithm.importance.weighting=ppo_clip",
         "value.freeze_patterns=[embedding]",
         "rl.time_budget_s=90",
     ]
@@ -24,7 +24,7 @@ def test_print_config_applies_overrides_wherever_the_flag_is(capsys, flag_first)
     argv += [] if flag_first else ["--print-config"]
     assert main(argv) == 0
     cfg = yaml.safe_load(capsys.readouterr().out)
-    assert cfg["algorithm"]["importance_weighting"] == "ppo_clip"
+    assert cfg["algorithm"]["importance"]["weighting"] == "ppo_clip"
     assert cfg["value"]["freeze_patterns"] == ["embedding"]
     assert cfg["rl"]["time_budget_s"] == 90
     assert cfg["tasks"]["train"][0]["options"]["reward_mode"] == "progress"

@@ -52,24 +52,110 @@ def test_job_config_derived_fields_follow_overrides():
     from sao_megatron.trainer.job import JobConfig
 
     base = load_config(JobConfig, None, [])
-    assert base.algorithm.importance_weighting == "dis_band"
+    assert base.algorithm.importance.weighting == "dis_band"
     cfg = load_config(
         JobConfig,
         None,
         ["algorithm.name=grpo", "stages=[sft,rl]", "parallel.tp=2", "parallel.ep=2"],
     )
-    assert cfg.algorithm.importance_weighting == "none"
+    assert cfg.algorithm.importance.weighting == "none"
     assert cfg.parallel.expert_tp == 2
-    # the rollout buffer takes its group size and staleness bound from the algorithm
-    assert cfg.rollout.grpo_group_size == cfg.algorithm.grpo_group_size == 8
-    assert cfg.rollout.max_staleness == cfg.algorithm.max_staleness
+    dis = load_config(JobConfig, None, ["algorithm.name=grpo_dis", "stages=[rl]"])
+    assert dis.algorithm.importance.weighting == "dis_band"
+
+
+def test_staleness_and_group_size_have_one_home_each():
+    """Staleness is the rollout's (rollout.max_staleness), the group size the algorithm's
+    (algorithm.grpo.group_size); neither exists in the other section, nothing is copied."""
+    from sao_megatron.algorithm import registry
+    from sao_megatron.trainer.job import JobConfig
+
+    cfg = load_config(
+        JobConfig,
+        None,
+        [
+            "algorithm.name=grpo",
+            "stages=[rl]",
+            "algorithm.grpo.group_size=4",
+            "rollout.max_staleness=0",
+        ],
+    )
+    assert cfg.rollout.max_staleness == 0 and registry.build(cfg.algorithm).group_size == 4
+    assert not hasattr(cfg.rollout, "grpo_group_size") and not hasattr(
+        cfg.algorithm, "max_staleness"
+    )
+    for key in (
+        "rollout.grpo_group_size=4",
+        "algorithm.max_staleness=0",
+        "rollout.model_path=x",
+        "rollout.run_dir=x",
+        "logging.run_dir=x",
+        "algorithm.kl_coef=0.1",
+    ):
+        with pytest.raises(ValueError, match=key.split("=")[0].replace(".", r"\.")):
+            load_config(JobConfig, None, [key])
+    with pytest.raises(
+        ValueError, match=r"trajectories_per_batch=16 is not a multiple of the group size 3"
+    ):
+        load_config(
+            JobConfig, None, ["algorithm.name=grpo", "stages=[rl]", "algorithm.grpo.group_size=3"]
+        )
+
+
+def test_a_key_the_algorithm_ignores_is_an_error():
+    from sao_megatron.trainer.job import JobConfig
+
+    with pytest.raises(
+        ValueError, match=r"algorithm\.grpo\.group_size=4 is ignored by algorithm.name='sao'"
+    ):
+        load_config(JobConfig, None, ["algorithm.grpo.group_size=4"])
+    with pytest.raises(ValueError, match=r"algorithm\.sao\.gamma=0\.9 is ignored"):
+        load_config(
+            JobConfig, None, ["algorithm.name=grpo", "stages=[rl]", "algorithm.sao.gamma=0.9"]
+        )
+
+
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        ("algorithm.eps_low", "moved to algorithm.importance.eps_low"),
+        ("algorithm.importance_weighting", "moved to algorithm.importance.weighting"),
+        ("algorithm.grpo_group_size", "moved to algorithm.grpo.group_size"),
+        (
+            "algorithm.value_updates_per_policy_update",
+            "moved to algorithm.sao.value_updates_per_policy_update",
+        ),
+        ("algorithm.clip_high", "moved to algorithm.ppo.clip_high"),
+        ("algorithm.max_staleness", "moved to rollout.max_staleness"),
+        ("rollout.grpo_group_size", "moved to algorithm.grpo.group_size"),
+        ("algorithm.kl_coef", "was removed: the trainer builds no reference model"),
+        ("rollout.model_path", "was removed: "),
+        ("logging.run_dir", "was removed: "),
+    ],
+)
+def test_moved_keys_have_a_migration_message(old, new):
+    from sao_megatron.trainer.job import JobConfig
+
+    with pytest.raises(ValueError) as err:
+        load_config(JobConfig, None, [f"{old}=1"])
+    assert str(err.value).startswith(f"config key {old!r} {new}"), err.value
+
+
+def test_unknown_keys_have_no_migration_message():
+    from sao_megatron.trainer.job import JobConfig
+
+    for key in ("algorithm.bogus", "algorithm.sao.bogus", "rollout.max_stalenes"):
+        with pytest.raises(ValueError, match="unknown config key") as err:
+            load_config(JobConfig, None, [f"{key}=1"])
+        assert "moved" not in str(err.value) and "removed" not in str(err.value), err.value
 
 
 def test_job_config_cross_field_errors():
     from sao_megatron.trainer.job import JobConfig
 
-    with pytest.raises(ValueError, match="value_pretrain"):
-        load_config(JobConfig, None, ["algorithm.name=grpo"])
+    for name in ("grpo", "grpo_dis"):
+        with pytest.raises(ValueError, match=f"value_pretrain.*algorithm.name='{name}' has no"):
+            load_config(JobConfig, None, [f"algorithm.name={name}"])
     with pytest.raises(ValueError, match="stages"):
         load_config(JobConfig, None, ["stages=[rl,sft]"])
     with pytest.raises(ValueError, match="tokenizer.vocab_size"):
@@ -94,3 +180,21 @@ def test_example_configs_load(path):
 def test_example_configs_exist():
     names = {p.name for p in EXAMPLES}
     assert {"quickstart.yaml", "grpo_baseline.yaml", "hanoi_long_horizon.yaml"} <= names
+
+
+@pytest.mark.parametrize(
+    "key,fix",
+    [
+        ("algorithm.eps_low=0.2", "moved to algorithm.importance.eps_low"),
+        ("algorithm.max_staleness=0", "moved to rollout.max_staleness"),
+        ("rollout.grpo_group_size=4", "moved to algorithm.grpo.group_size"),
+        ("algorithm.kl_coef=0.1", "was removed"),
+        ("logging.run_dir=x", "was removed"),
+    ],
+)
+def test_load_config_answers_a_moved_key_with_its_migration(key, fix):
+    from sao_megatron.trainer.job import JobConfig
+
+    old = key.split("=")[0]
+    with pytest.raises(ValueError, match=f"config key '{old}' {fix}"):
+        load_config(JobConfig, None, [key])

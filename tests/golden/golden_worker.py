@@ -120,15 +120,16 @@ def _build(parallel, algorithm: str):
 
 
 def _step_fn(algorithm: str, parallel, p_state, v_state):
-    from sao_megatron.algorithm.config import AlgorithmConfig
+    from sao_megatron.algorithm import registry
+    from sao_megatron.algorithm.config import AlgorithmConfig, GRPOConfig, SAOConfig
     from sao_megatron.trainer.rl_step import RLStep, StepConfig
 
     algo = (
-        AlgorithmConfig(name=algorithm, grpo_group_size=4)
+        AlgorithmConfig(name=algorithm, grpo=GRPOConfig(group_size=4))
         if algorithm == "grpo"
-        else (AlgorithmConfig(length_adaptive_alpha=0.5))
+        else (AlgorithmConfig(sao=SAOConfig(length_adaptive_alpha=0.5)))
     )
-    return RLStep(algo, parallel, p_state, v_state, StepConfig(micro_batch_size=3))
+    return RLStep(registry.build(algo), parallel, p_state, v_state, StepConfig(micro_batch_size=3))
 
 
 def run(algorithm: str, pkw: dict) -> dict:

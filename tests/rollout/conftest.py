@@ -72,16 +72,15 @@ def tiny_models(tmp_path_factory):
 def vllm_servers(tiny_models, tmp_path_factory):
     """Two local vLLM servers (started in parallel), stopped at the end of the session."""
     cfg = RolloutConfig(
-        model_path=str(tiny_models[0]),
         dtype="float32",
         num_engines=2,
         vllm_python=vllm_python(),
         max_model_len=2048,
         kv_cache_gib=1,
-        run_dir=str(tmp_path_factory.mktemp("engines")),
         seed=0,  # the tests send seeded requests: start the engines without chunked prefill
     )
-    procs = [EngineProcess(cfg, i) for i in range(2)]
+    run_dir = tmp_path_factory.mktemp("engines")
+    procs = [EngineProcess(cfg, i, tiny_models[0], run_dir) for i in range(2)]
     for p in procs:
         p.start()
     try:

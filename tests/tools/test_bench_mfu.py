@@ -142,7 +142,6 @@ def test_sao_phases_match_flop_counter(monkeypatch, parallel_1rank):
     """Everything RLStep.train_step / value_step multiplies, minus the advantage scan (not model
     FLOPs), equals `step_flops`: (K + 2) value forwards, K value backwards, 1 policy update."""
     from sao_megatron.configs import load_config
-    from sao_megatron.trainer import rl_step
     from sao_megatron.trainer.job import JobConfig
     from tests.conftest import tiny_moe_kwargs
 
@@ -152,12 +151,12 @@ def test_sao_phases_match_flop_counter(monkeypatch, parallel_1rank):
     policy, value, step, batch = bench.build_trainer(job, parallel_1rank, 4, 16, 2)
     pf = bench.trainable_fractions(_named(policy.unwrapped))
     vf = bench.trainable_fractions(_named(value.unwrapped))
-    k = job.algorithm.value_updates_per_policy_update
+    k = job.algorithm.sao.value_updates_per_policy_update
     assert k == 2
     want = bench.step_flops(job.model, 4, 16, k, pf, vf)
 
     scan_flops = []
-    original = rl_step.compute_advantages
+    original = step.algorithm.advantages
 
     def counted_advantages(*args, **kwargs):
         with FlopCounterMode(display=False) as inner:  # nested: the outer counter sees it too
@@ -165,7 +164,7 @@ def test_sao_phases_match_flop_counter(monkeypatch, parallel_1rank):
         scan_flops.append(inner.get_total_flops())
         return out
 
-    monkeypatch.setattr(rl_step, "compute_advantages", counted_advantages)
+    monkeypatch.setattr(step.algorithm, "advantages", counted_advantages)
     for phase in ("train_step", "value_phase"):
         scan_flops.clear()
         with FlopCounterMode(display=False) as outer:

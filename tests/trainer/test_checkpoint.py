@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from sao_megatron.net import free_port
 from sao_megatron.trainer import checkpoint as ckpt
 from sao_megatron.trainer.checkpoint import (
     CheckpointConfig,
@@ -29,6 +29,7 @@ from sao_megatron.trainer.checkpoint import (
     CheckpointManager,
     CommonState,
 )
+from sao_megatron.trainer.checkpoint import io as ckpt_io
 
 HIDDEN, FFN = 8, 12
 
@@ -112,12 +113,6 @@ def _init_world(rank: int, world: int, port: int, tp: int) -> None:
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def one_rank():
     """A 1-rank gloo world with Megatron model-parallel state (TP=1) for this module's tests."""
@@ -126,7 +121,7 @@ def one_rank():
     from sao_megatron.platform import disable_cpu_compat
 
     owned = not dist.is_initialized()
-    _init_world(0, 1, _free_port(), tp=1)
+    _init_world(0, 1, free_port(), tp=1)
     yield
     ps.destroy_model_parallel()
     disable_cpu_compat()
@@ -162,13 +157,24 @@ def _save(mgr: CheckpointManager, step: int, seed: int = 0, **kw) -> Path:
         ({"save_interval": -1}, "checkpoint.save_interval=-1"),
         ({"keep_last_k": -2}, "checkpoint.keep_last_k=-2"),
         ({"resume": ""}, "checkpoint.resume=''"),
-        ({"async_save": True}, "checkpoint.async_save=True"),
         ({"save_dir": ""}, "checkpoint.save_dir=''"),
     ],
 )
 def test_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field.replace("(", r"\(")):
         CheckpointConfig(**kwargs)
+
+
+def test_removed_async_save_key_is_a_clear_error():
+    from sao_megatron.configs import load_config
+    from sao_megatron.trainer.job import JobConfig
+
+    with pytest.raises(
+        ValueError, match=r"'checkpoint.async_save' was removed: saving is synchronous"
+    ):
+        load_config(JobConfig, None, ["checkpoint.async_save=false"])
+    with pytest.raises(TypeError, match="async_save"):
+        CheckpointConfig(async_save=False)
 
 
 def test_should_save_interval():
@@ -184,12 +190,10 @@ def test_round_trip_all_parts(one_rank, tmp_path):
     mgr = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path / "ck"), resume="auto"))
     policy, value = _build_model(1, seed=1), _build_model(1, seed=2)
     expected_policy, expected_value = _params(policy), _params(value)
-    buffer = {"trajectories": [torch.arange(5)], "num_admitted": 7}
     common = CommonState(
         train_step=12,
         policy_version=13,
         data_cursor={"epoch": 1, "index": 40},
-        buffer_state=buffer,
         extra={"stage": "rl"},
     )
     path = mgr.save(
@@ -215,7 +219,6 @@ def test_round_trip_all_parts(one_rank, tmp_path):
     assert result.common.train_step == 12 and result.common.policy_version == 13
     assert result.common.data_cursor == {"epoch": 1, "index": 40}
     assert result.common.extra == {"stage": "rl"}
-    assert torch.equal(result.common.buffer_state["trajectories"][0], torch.arange(5))
     assert result.skipped_parts == {}
     man = result.manifest
     assert man["world_size"] == 1 and man["layout"]["tp"] == 1
@@ -273,7 +276,7 @@ def test_crash_before_manifest_keeps_previous_latest(one_rank, tmp_path, monkeyp
         raise OSError("disk full (simulated)")
 
     with monkeypatch.context() as m:  # dies while hashing files, before manifest.json exists
-        m.setattr(ckpt, "_sha256", crash)
+        m.setattr(ckpt_io, "sha256", crash)
         with pytest.raises(CheckpointError, match="disk full"):
             _save(mgr, step=2, seed=2)
     stale = ckpt.stale_tmp_dirs(tmp_path)
@@ -295,7 +298,7 @@ def test_crash_before_manifest_keeps_previous_latest(one_rank, tmp_path, monkeyp
 def test_crash_before_latest_update_then_resave(one_rank, tmp_path, monkeypatch):
     mgr = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path), keep_last_k=3))
     _save(mgr, step=1, seed=1)
-    real = ckpt._atomic_write_text
+    real = ckpt_io.atomic_write_text
 
     def crash_on_latest(path, text):
         if path.name == "latest":
@@ -303,7 +306,7 @@ def test_crash_before_latest_update_then_resave(one_rank, tmp_path, monkeypatch)
         real(path, text)
 
     with monkeypatch.context() as m:
-        m.setattr(ckpt, "_atomic_write_text", crash_on_latest)
+        m.setattr(ckpt_io, "atomic_write_text", crash_on_latest)
         with pytest.raises(CheckpointError, match="killed"):
             _save(mgr, step=2, seed=2)
     assert ckpt.find_latest(tmp_path) == tmp_path / "step_00000001"
@@ -404,6 +407,57 @@ def test_incompatible_part_never_half_loads(one_rank, tmp_path):
     _assert_all_nan(wide_value)
 
 
+class _Counter:
+    """A Stateful test object (as the run state or the task stream would be)."""
+
+    def __init__(self, value: int = 0) -> None:
+        self.value = value
+        self.loaded: list[dict] = []
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.loaded.append(dict(state_dict))
+        self.value = state_dict["value"]
+
+
+def test_stateful_objects_round_trip_by_name(one_rank, tmp_path):
+    mgr = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path)))
+    run, tasks = _Counter(7), _Counter(64)
+    assert isinstance(run, ckpt.Stateful)
+    path = mgr.save(
+        {"policy": _build_model(1, seed=1).sharded_state_dict()},
+        train_step=5,
+        states={"run": run, "tasks": tasks},
+    )
+    assert path.name == "step_00000005"
+    run2, tasks2, model = _Counter(), _Counter(), _build_model(1, None)
+    result = mgr.load(path, {"policy": model.sharded_state_dict()}, states={"run": run2})
+    assert run2.loaded == [{"value": 7}] and run2.value == 7
+    assert result.states == {"run": {"value": 7}, "tasks": {"value": 64}}
+    assert result.common.train_step == 5 and result.common.policy_version == 0
+    # a name the checkpoint lacks: an error before any tensor or object changes...
+    fresh, nan_model = _Counter(3), _build_model(1, None)
+    with pytest.raises(CheckpointError, match=r"Stateful 'sched' not in checkpoint.*Nothing was"):
+        mgr.load(
+            path, {"policy": nan_model.sharded_state_dict()}, states={"run": fresh, "sched": tasks2}
+        )
+    _assert_all_nan(nan_model)
+    assert fresh.loaded == [] and tasks2.loaded == []
+    # ... unless it is optional: skipped, reported, the others load
+    with pytest.warns(UserWarning, match="not loading part 'sched'"):
+        result = mgr.load(
+            path,
+            {"policy": nan_model.sharded_state_dict()},
+            states={"run": fresh, "sched": tasks2},
+            optional_parts=["sched"],
+        )
+    assert list(result.skipped_parts) == ["sched"] and fresh.value == 7 and tasks2.loaded == []
+    with pytest.raises(ValueError, match="train_step=4 != common.train_step=5"):
+        mgr.save({}, CommonState(train_step=5), train_step=4)
+
+
 # ---------------------------------------------------------------- two ranks -----------------------
 def _two_rank_worker(rank: int, port: int, root: str, errors) -> None:
     try:
@@ -444,7 +498,7 @@ def _two_rank_worker(rank: int, port: int, root: str, errors) -> None:
 def test_two_ranks_resharded_load(tmp_path):
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_two_rank_worker, args=(r, port, str(tmp_path), errors)) for r in (0, 1)
     ]
@@ -526,3 +580,131 @@ def test_policy_and_optimizer_resume_continues_exactly(one_rank, tmp_path):
     finally:
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(tensor_model_parallel_size=1)
+
+
+@pytest.mark.parametrize("api", ["stateful", "extra"])
+def test_lr_schedule_resumed_inside_warmup_matches_uninterrupted(one_rank, tmp_path, api):
+    """Issue 19.3: saved at step 3 of a 10-step warm-up, the resumed run's LR at every later
+    update equals the uninterrupted run's (update k uses lr * k / warmup). The scheduler is
+    checkpointed as a Stateful ("stateful") or as a dict in CommonState.extra ("extra")."""
+    from megatron.core import parallel_state as ps
+
+    from sao_megatron.models import MoEModelConfig, build_policy
+    from sao_megatron.optim import OptimizerConfig, PrecisionConfig, build_optimizer
+    from sao_megatron.parallel import ParallelConfig, destroy_parallel, initialize_parallel
+
+    model_cfg = MoEModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=2,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    )
+    optim = OptimizerConfig(lr=1e-3, warmup_steps=10, decay_style="linear", decay_steps=10)
+
+    def build():
+        parallel = initialize_parallel(ParallelConfig(seed=3))
+        chunks = build_policy(model_cfg, parallel, PrecisionConfig())
+        return chunks[0], build_optimizer(chunks, parallel, optim, PrecisionConfig())
+
+    def step(train, seed) -> float:
+        """One update; returns the LR it used."""
+        lr = train.optimizer.param_groups[0]["lr"]
+        g = torch.Generator().manual_seed(seed)
+        for p in train.model[0].parameters():
+            p.main_grad.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        assert train.step()[0]
+        return lr
+
+    def parts(model, train, loading):
+        return {
+            "policy": model.sharded_state_dict(),
+            "policy_optimizer": train.optimizer.sharded_state_dict(
+                model.sharded_state_dict(), is_loading=loading
+            ),
+        }
+
+    ps.destroy_model_parallel()
+    try:
+        mgr = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path)))
+        model, train = build()
+        uninterrupted = [step(train, s) for s in range(1, 4)]
+        if api == "stateful":
+            mgr.save(parts(model, train, False), train_step=3, states={"sched": train.scheduler})
+        else:
+            common = CommonState(train_step=3, extra={"sched": train.scheduler.state_dict()})
+            mgr.save(parts(model, train, False), common)
+        uninterrupted += [step(train, s) for s in range(4, 25)]
+        destroy_parallel()
+
+        model, train = build()  # a fresh process resumes from step 3
+        states = {"sched": train.scheduler} if api == "stateful" else {}
+        result = mgr.load(mgr.resolve_resume(), parts(model, train, True), states=states)
+        train.optimizer.load_state_dict(result.state_dicts["policy_optimizer"])
+        if api == "extra":
+            train.scheduler.load_state_dict(result.common.extra["sched"])
+        assert result.common.train_step == 3
+        resumed = [step(train, s) for s in range(4, 25)]
+        destroy_parallel()
+    finally:
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    # float64 reference: warm-up lr * k / 10 for k = 1..10, then linear decay to 0 over 10
+    ref = [1e-3 * k / 10 for k in range(1, 11)] + [1e-3 * (1 - j / 10) for j in range(1, 11)]
+    assert uninterrupted[:20] == pytest.approx(ref, rel=1e-12, abs=1e-15)
+    assert uninterrupted[3] == pytest.approx(4.0e-4, rel=1e-12)
+    assert resumed == uninterrupted[3:]  # exactly, at every update after the resume
+
+
+# ---------------------------------------------------------------- missing `latest`, pruning -------
+@pytest.mark.parametrize("pointer", [None, "garbage\n", "step_00000009\n", ""])
+def test_missing_or_garbled_latest_resumes_newest_complete(one_rank, tmp_path, pointer):
+    """Issue 19.4: complete step folders without a usable ``latest`` resume from the newest
+    complete one (with a warning) instead of starting fresh."""
+    mgr = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path), keep_last_k=0))
+    for step in (1, 2, 3):
+        _save(mgr, step, seed=step)
+    (tmp_path / "latest").unlink()
+    if pointer is not None:
+        (tmp_path / "latest").write_text(pointer)
+    with pytest.warns(UserWarning, match=r"resuming from the newest complete.*step_00000003"):
+        resume = mgr.resolve_resume()
+    assert resume == tmp_path / "step_00000003"
+    model = _build_model(1, None)
+    assert mgr.load(resume, {"policy": model.sharded_state_dict()}).common.train_step == 3
+    for name, ref in _params(_build_model(1, seed=3)).items():
+        assert torch.equal(dict(model.named_parameters())[name], ref)
+
+
+def test_missing_latest_with_incomplete_newest_folder_is_an_error(one_rank, tmp_path):
+    """Newest step folder without a manifest and no ``latest``: which one to resume from is
+    ambiguous, so the run stops and says how to choose."""
+    mgr = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path), keep_last_k=0))
+    _save(mgr, 1)
+    _save(mgr, 2)
+    (tmp_path / "latest").unlink()
+    (tmp_path / "step_00000002" / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match=r"step_00000002.*checkpoint\.resume="):
+        mgr.resolve_resume()
+
+
+def test_pruning_never_deletes_newer_checkpoints(one_rank, tmp_path):
+    """A run that starts fresh (resume=none) in a folder with newer checkpoints of an earlier
+    run prunes only steps older than the one it just wrote."""
+    earlier = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path), keep_last_k=0))
+    for step in (5, 6):
+        _save(earlier, step)
+    fresh = CheckpointManager(
+        CheckpointConfig(save_dir=str(tmp_path), keep_last_k=1, resume="none")
+    )
+    assert fresh.resolve_resume() is None
+    for step in (1, 2, 3):
+        _save(fresh, step)
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [3, 5, 6]
+    keep2 = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path), keep_last_k=2))
+    _save(keep2, 7)
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [6, 7]

@@ -116,7 +116,7 @@ def test_grpo_job_1rank_stops_at_its_time_budget(tmp_path):
         "rl.time_budget_s=0.1",
         "checkpoint.save_interval=0",
         "algorithm.name=grpo",
-        "algorithm.grpo_group_size=2",
+        "algorithm.grpo.group_size=2",
         "stages=[sft,rl]",
     )
     recs = _check_run(tmp_path / "grpo", 1, max_staleness=1)
@@ -133,7 +133,7 @@ def test_grpo_job_2ranks_dp(tmp_path):
         tmp_path / "dp2",
         "rl.steps=3",
         "algorithm.name=grpo",
-        "algorithm.grpo_group_size=2",
+        "algorithm.grpo.group_size=2",
         "stages=[sft,rl]",
         nproc=2,
     )
@@ -142,7 +142,7 @@ def test_grpo_job_2ranks_dp(tmp_path):
 
 
 def test_resume_reproduces_uninterrupted_run(tmp_path):
-    sync = ["algorithm.max_staleness=0", "value_pretrain.steps=0", "tasks.num_eval_tasks=0"]
+    sync = ["rollout.max_staleness=0", "value_pretrain.steps=0", "tasks.num_eval_tasks=0"]
     _run(tmp_path / "full", "rl.steps=2", *sync)
     _run(tmp_path / "part", "rl.steps=1", *sync)
     _run(tmp_path / "part", "rl.steps=2", *sync)  # resumes from rl step 1 (sft is skipped)

@@ -36,15 +36,13 @@ def _values(step: int) -> dict:
 def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="logging.log_interval=0"):
         LoggingConfig(log_interval=0)
-    with pytest.raises(ValueError, match="logging.run_dir=''"):
-        LoggingConfig(run_dir="")
 
 
 def test_jsonl_and_tensorboard_round_trip(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    cfg = LoggingConfig(run_dir=str(tmp_path / "run"), console=False)
-    with MetricsLogger(cfg, is_logging_rank=True) as logger:
+    cfg = LoggingConfig(console=False)
+    with MetricsLogger(cfg, tmp_path / "run", is_logging_rank=True) as logger:
         for step in range(1, 6):
             logger.log(step, _values(step))
     records = read_metrics(tmp_path / "run")
@@ -70,8 +68,8 @@ def test_jsonl_and_tensorboard_round_trip(tmp_path):
 
 
 def test_non_finite_written_as_null_with_warning(tmp_path):
-    cfg = LoggingConfig(run_dir=str(tmp_path), console=False, tensorboard=False)
-    with MetricsLogger(cfg, is_logging_rank=True) as logger:
+    cfg = LoggingConfig(console=False, tensorboard=False)
+    with MetricsLogger(cfg, tmp_path, is_logging_rank=True) as logger:
         logger.log(1, {"loss/value": 1.5})
         with pytest.warns(UserWarning, match="metric 'loss/value' is nan at step 2"):
             logger.log(2, {"loss/value": float("nan"), "grad_norm/policy": 2.0})
@@ -85,20 +83,20 @@ def test_non_finite_written_as_null_with_warning(tmp_path):
 
 
 def test_log_interval_force_and_non_logging_rank(tmp_path):
-    cfg = LoggingConfig(run_dir=str(tmp_path / "a"), console=False, log_interval=3)
-    with MetricsLogger(cfg, is_logging_rank=True) as logger:
+    cfg = LoggingConfig(console=False, log_interval=3)
+    with MetricsLogger(cfg, tmp_path / "a", is_logging_rank=True) as logger:
         for step in range(1, 8):
             logger.log(step, {"reward/mean": float(step)}, force=step == 7)
     assert [r["step"] for r in read_metrics(tmp_path / "a")] == [3, 6, 7]
-    silent = LoggingConfig(run_dir=str(tmp_path / "b"), console=True)
-    with MetricsLogger(silent, is_logging_rank=False) as logger:
+    silent = LoggingConfig(console=True)
+    with MetricsLogger(silent, tmp_path / "b", is_logging_rank=False) as logger:
         logger.log(1, {"reward/mean": 1.0})
     assert not (tmp_path / "b").exists()
 
 
 def test_bad_values_name_the_key(tmp_path):
-    cfg = LoggingConfig(run_dir=str(tmp_path), console=False, tensorboard=False)
-    with MetricsLogger(cfg, is_logging_rank=True) as logger:
+    cfg = LoggingConfig(console=False, tensorboard=False)
+    with MetricsLogger(cfg, tmp_path, is_logging_rank=True) as logger:
         with pytest.raises(TypeError, match="metric 'loss/policy': expected a scalar"):
             logger.log(1, {"loss/policy": torch.zeros(3)})
         with pytest.raises(TypeError, match="metric 'x'"):
@@ -106,8 +104,8 @@ def test_bad_values_name_the_key(tmp_path):
 
 
 def test_progress_bar_shows_reward_success_deviation_rate(tmp_path, capsys):
-    cfg = LoggingConfig(run_dir=str(tmp_path), tensorboard=False, console=True)
-    with MetricsLogger(cfg, is_logging_rank=True, total_steps=4) as logger:
+    cfg = LoggingConfig(tensorboard=False, console=True)
+    with MetricsLogger(cfg, tmp_path, is_logging_rank=True, total_steps=4) as logger:
         for step in range(1, 4):
             logger.log(
                 step,
@@ -124,9 +122,9 @@ def test_progress_bar_shows_reward_success_deviation_rate(tmp_path, capsys):
 
 def test_wandb_missing_warns(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
-    cfg = LoggingConfig(run_dir=str(tmp_path), console=False, tensorboard=False, wandb=True)
+    cfg = LoggingConfig(console=False, tensorboard=False, wandb=True)
     with pytest.warns(UserWarning, match="logging.wandb=True but wandb is not installed"):
-        MetricsLogger(cfg, is_logging_rank=True).close()
+        MetricsLogger(cfg, tmp_path, is_logging_rank=True).close()
 
 
 def test_timer_accumulates_per_phase(monkeypatch):

@@ -1,11 +1,13 @@
-"""RL train step on real Megatron (1 rank): alignment, schedule and updates of SAO and GRPO."""
+"""RL train step on real Megatron (1 rank): alignment, schedules and updates of SAO, GRPO and
+GRPO+DIS (whose loss is checked against the DIS formula on GRPO advantages in float64)."""
 
 import math
 
 import pytest
 import torch
 
-from sao_megatron.algorithm.config import AlgorithmConfig
+from sao_megatron.algorithm import registry
+from sao_megatron.algorithm.config import AlgorithmConfig, GRPOConfig
 from sao_megatron.data.batch import pack_trajectories
 from sao_megatron.data.trajectory import ActionNode, Trajectory
 from sao_megatron.models import (
@@ -48,9 +50,8 @@ def _random_trajectories(num, seed, group_size=1):
     return out
 
 
-def _with_policy_behaviour(policy_model, parallel, trajs):
-    """Set behaviour log-probs to the current policy's own log-probs (on-policy data)."""
-    batch = pack_trajectories(trajs, pad_token_id=0, max_seq_len=64)
+def _policy_logprobs(policy_model, parallel, batch):
+    """[B, T-1] log-probs of the current policy at prediction positions."""
     lp, _ = compute_policy_logprobs(
         policy_model,
         parallel,
@@ -60,6 +61,16 @@ def _with_policy_behaviour(policy_model, parallel, trajs):
             position_ids=batch.position_ids,
         ),
     )
+    return lp
+
+
+def _with_policy_behaviour(policy_model, parallel, trajs, noise=0.0):
+    """Set behaviour log-probs to the current policy's own log-probs (on-policy data), plus
+    uniform noise in [-noise, noise] per token (a seeded off-policy gap)."""
+    batch = pack_trajectories(trajs, pad_token_id=0, max_seq_len=64)
+    lp = _policy_logprobs(policy_model, parallel, batch)
+    g = torch.Generator().manual_seed(17)
+    lp = lp + noise * (2 * torch.rand(lp.shape, generator=g, dtype=lp.dtype) - 1)
     for r, traj in enumerate(trajs):
         pos = torch.nonzero(batch.action_mask[r]).flatten().tolist()
         flat = [float(lp[r, p - 1]) for p in pos]
@@ -86,9 +97,19 @@ def test_sao_step_on_policy(tiny_moe, parallel_1rank):
     batch = _with_policy_behaviour(p_state.model, parallel_1rank, _random_trajectories(6, 0))
     before_p, before_v = _params(policy), _params(value)
     step = RLStep(
-        AlgorithmConfig(), parallel_1rank, p_state, v_state, StepConfig(micro_batch_size=4)
+        registry.build(AlgorithmConfig()),
+        parallel_1rank,
+        p_state,
+        v_state,
+        StepConfig(micro_batch_size=4),
     )
     m = step.train_step(batch, train_version=0)
+    # the schedule's phases are timed apart; time/policy is the policy update alone
+    assert {k for k in m if k.startswith("time/")} == {
+        "time/value",
+        "time/advantages",
+        "time/policy",
+    }
     # behaviour = current policy => importance ratio exactly 1 on every action token
     assert m["deviation/abs_one_minus_ratio_mean"] < 1e-5
     assert m["deviation/dropped_fraction"] == 0.0
@@ -111,20 +132,64 @@ def test_grpo_step(tiny_moe, parallel_1rank):
     p_state = build_optimizer(policy, parallel_1rank, OptimizerConfig(lr=1e-3), prec)
     trajs = _random_trajectories(3, 1, group_size=4)
     batch = _with_policy_behaviour(p_state.model, parallel_1rank, trajs)
-    algo = AlgorithmConfig(name="grpo", grpo_group_size=4)
+    algo = registry.build(AlgorithmConfig(name="grpo", grpo=GRPOConfig(group_size=4)))
     step = RLStep(algo, parallel_1rank, p_state, None, StepConfig(micro_batch_size=5))
     m = step.train_step(batch, train_version=3)
+    assert {k for k in m if k.startswith("time/")} == {
+        "time/old_logprobs",
+        "time/advantages",
+        "time/policy",
+    }
     assert m["deviation/abs_one_minus_ratio_mean"] < 1e-5
     assert m["deviation/version_lag_mean"] == 3.0
     # GRPO advantages are zero-mean within each group; per-token mean is a weighted mean
     assert math.isfinite(m["loss/policy"]) and math.isfinite(m["grad_norm/policy"])
 
 
-def test_sao_needs_value_and_no_kl(tiny_moe, parallel_1rank):
-    with pytest.raises(ValueError, match="value model"):
-        RLStep(AlgorithmConfig(), parallel_1rank, None, None, StepConfig())
-    with pytest.raises(ValueError, match="kl_coef"):
-        RLStep(AlgorithmConfig(name="grpo", kl_coef=0.1), parallel_1rank, None, None, StepConfig())
+def test_value_model_must_match_the_algorithm(tiny_moe, parallel_1rank):
+    with pytest.raises(ValueError, match="algorithm.name='sao' needs a value model"):
+        RLStep(registry.build(AlgorithmConfig()), parallel_1rank, None, None, StepConfig())
+    grpo = registry.build(AlgorithmConfig(name="grpo_dis"))
+    with pytest.raises(ValueError, match="has no value model"):
+        RLStep(grpo, parallel_1rank, None, object(), StepConfig())
+
+
+def test_grpo_dis_step_loss_is_dis_on_group_advantages(tiny_moe, parallel_1rank):
+    """GRPO+DIS on real Megatron: one policy update whose loss equals, in float64, the DIS loss
+    -sum_t m_t f(r_t) A_t l_theta_t / N on GRPO group advantages, with r = exp(l_theta - l_b)
+    on the behaviour log-probs (noised so that the band drops tokens) and no old log-probs."""
+    prec = PrecisionConfig()
+    policy = build_policy(tiny_moe, parallel_1rank, prec)
+    p_state = build_optimizer(policy, parallel_1rank, OptimizerConfig(lr=1e-3), prec)
+    trajs = _random_trajectories(3, 5, group_size=4)
+    batch = _with_policy_behaviour(p_state.model, parallel_1rank, trajs, noise=0.5)
+    lp = _policy_logprobs(p_state.model, parallel_1rank, batch).double()  # before the update
+    algo = registry.build(AlgorithmConfig(name="grpo_dis", grpo=GRPOConfig(group_size=4)))
+    step = RLStep(algo, parallel_1rank, p_state, None, StepConfig(micro_batch_size=5))
+    m = step.train_step(batch, train_version=1)
+    assert {k for k in m if k.startswith("time/")} == {"time/advantages", "time/policy"}
+
+    # float64 reference: group advantages per trajectory, then the DIS loss per action token
+    totals = [sum(n.reward for n in t.nodes) for t in trajs]
+    adv = []
+    for i, t in enumerate(trajs):
+        group = [totals[j] for j, u in enumerate(trajs) if u.task_id == t.task_id]
+        mean = sum(group) / len(group)
+        std = math.sqrt(sum((x - mean) ** 2 for x in group) / (len(group) - 1))
+        adv.append((totals[i] - mean) / (std + 1e-6))
+    mask, blp = batch.action_mask[:, 1:], batch.behaviour_logprobs[:, 1:].double()
+    loss, n, dropped = 0.0, int(mask.sum()), 0
+    for r in range(batch.num_rows):
+        a = adv[int(batch.row_trajectory[r])]
+        for p in torch.nonzero(mask[r]).flatten().tolist():
+            ratio = math.exp(float(lp[r, p] - blp[r, p]))
+            keep = 1 - 0.3 < ratio < 1 + 5.0
+            dropped += not keep
+            loss += -(ratio if keep else 0.0) * a * float(lp[r, p]) / n
+    assert 0 < dropped < n  # the band dropped some tokens, not all
+    assert math.isclose(m["loss/policy"], loss, rel_tol=1e-5, abs_tol=1e-7), (m, loss)
+    assert math.isclose(m["deviation/dropped_fraction"], dropped / n, rel_tol=1e-9)
+    assert m["deviation/version_lag_mean"] == 1.0
 
 
 def test_dp_sharding_keeps_groups_and_balances():

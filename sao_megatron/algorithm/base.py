@@ -1,0 +1,145 @@
+"""The algorithm interface: what the trainer asks an RL algorithm (and nothing else).
+
+An algorithm object answers, for the trainer (`sao_megatron.trainer.rl_step.RLStep`):
+
+* ``needs_value_model``: build and train a critic (and allow value pre-training);
+* ``group_size``: trajectories the rollout samples per task (1 = single trajectory);
+* ``keeps_groups_together``: data-parallel sharding keeps a task's trajectories on one rank
+  (group statistics stay local);
+* ``schedule``: the phases of one train step, in order (`Phase`);
+* ``advantages(inputs)``: advantages (and, with a critic, value targets) at token positions;
+* ``policy_loss(...)``: the scalar policy loss of one micro-batch.
+
+Config validation asks the class for ``default_importance``, ``importance_weightings`` (the
+behaviour-correction schemes its loss accepts) and ``config_sections`` (the parts of
+`AlgorithmConfig` it reads; a non-default value elsewhere is an error).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from .advantages import AdvantageOutput, masked_whiten
+
+if TYPE_CHECKING:
+    from .config import AlgorithmConfig
+
+
+class Phase(enum.Enum):
+    """One piece of work of a train step; RLStep runs them in `Algorithm.schedule` order."""
+
+    VALUE_TARGETS = "value_targets"
+    """value forward without grad: V_old and the value targets (returns) of the batch."""
+    VALUE_UPDATE = "value_update"
+    """one optimiser step of the value model on V_old / returns (clipped value loss)."""
+    OLD_LOGPROBS = "old_logprobs"
+    """policy forward without grad: l_old, the log-probs before this update (PPO's pi_old)."""
+    ADVANTAGES = "advantages"
+    """the policy advantages (with the critic as it is now, if the algorithm has one)."""
+    POLICY_UPDATE = "policy_update"
+    """one optimiser step of the policy on `Algorithm.policy_loss`."""
+
+    @property
+    def timer(self) -> str:
+        """The ``time/<timer>`` metric this phase's seconds are added to."""
+        return {
+            Phase.VALUE_TARGETS: "value",
+            Phase.VALUE_UPDATE: "value",
+            Phase.OLD_LOGPROBS: "old_logprobs",
+            Phase.ADVANTAGES: "advantages",
+            Phase.POLICY_UPDATE: "policy",
+        }[self]
+
+
+@dataclass(kw_only=True)
+class AdvantageInputs:
+    """What an algorithm may read to compute advantages (one trajectory per row).
+
+    node_rewards: [B, N] float, reward after each action node (0 on padding nodes).
+    node_index: [B, T] int64, action node of each token (read on action tokens).
+    action_mask: [B, T] bool, tokens the policy sampled.
+    values: [B, T] float V(s_t) before each token, or None (no value model / not computed).
+    truncated: [B] bool, the episode hit its budget; None = none truncated.
+    bootstrap_values: [B] float V of the state after the last action (for truncated rows).
+    group_ids: [B] int64, rows with equal id were sampled for the same task.
+    """
+
+    node_rewards: torch.Tensor
+    node_index: torch.Tensor
+    action_mask: torch.Tensor
+    values: torch.Tensor | None = None
+    truncated: torch.Tensor | None = None
+    bootstrap_values: torch.Tensor | None = None
+    group_ids: torch.Tensor | None = None
+
+
+class Algorithm:
+    """Base class of a registered RL algorithm (see the module docstring for the contract).
+
+    Args:
+        config: the validated ``algorithm`` section (its ``name`` is this class's ``name``).
+    """
+
+    name: ClassVar[str] = ""
+    needs_value_model: ClassVar[bool] = False
+    keeps_groups_together: ClassVar[bool] = False
+    default_importance: ClassVar[str] = "none"
+    importance_weightings: ClassVar[tuple[str, ...]] = ("none",)
+
+    def __init__(self, config: AlgorithmConfig) -> None:
+        if config.name != self.name:
+            raise ValueError(
+                f"algorithm.name={config.name!r} given to {type(self).__name__} "
+                f"(registered as {self.name!r}); build it with registry.build(config)"
+            )
+        self.config = config
+
+    @classmethod
+    def config_sections(cls, config: AlgorithmConfig) -> set[str]:
+        """Parts of `config` this algorithm reads (of "sao", "grpo", "ppo", "importance")."""
+        raise NotImplementedError
+
+    @property
+    def group_size(self) -> int:
+        """Trajectories sampled per task (1: one trajectory per task)."""
+        return 1
+
+    @property
+    def schedule(self) -> tuple[Phase, ...]:
+        """The phases of one train step, in order."""
+        raise NotImplementedError
+
+    def compute_advantages(self, inputs: AdvantageInputs) -> AdvantageOutput:
+        """Advantages [B, T] (0 off the action mask), before whitening."""
+        raise NotImplementedError
+
+    def advantages(self, inputs: AdvantageInputs) -> AdvantageOutput:
+        """`compute_advantages`, then, with ``algorithm.whiten_advantages``, `masked_whiten`
+        over the action tokens of the batch given (pass a whole batch, not one micro-batch)."""
+        out = self.compute_advantages(inputs)
+        if self.config.whiten_advantages:
+            out.advantages = masked_whiten(out.advantages, inputs.action_mask.to(torch.bool))
+        return out
+
+    def policy_loss(
+        self,
+        *,
+        logprobs: torch.Tensor,
+        behaviour_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        action_mask: torch.Tensor,
+        old_logprobs: torch.Tensor | None = None,
+        num_tokens: int | torch.Tensor | None = None,
+        num_sequences: int | torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Scalar policy loss (no entropy term) of a micro-batch; all tensors [B, T].
+
+        logprobs: l_theta with grad; behaviour_logprobs: l_b from the rollout engine;
+        old_logprobs: l_old from the OLD_LOGPROBS phase (only if the schedule has it);
+        num_tokens / num_sequences: global denominators (see losses.aggregate).
+        """
+        raise NotImplementedError

@@ -1,0 +1,101 @@
+"""GRPO: group-relative policy optimisation, the baseline (DeepSeekMath, arXiv 2402.03300).
+
+Choices:
+
+1. G trajectories per task (`algorithm.grpo.group_size`, default 8); no value model.
+2. Outcome advantages, the same for every action token of trajectory i:
+       A_i = (R_i - mean_G R) / (std_G R + eps)     (std_normalize=false: R_i - mean_G R, Dr.GRPO)
+3. Old log-probs l_old recomputed by the trainer before the update (a policy forward, no grad).
+4. PPO-clip loss on rho_t = exp(l_theta - l_old), dual clip for A < 0, optionally times a
+   behaviour weight w_t on exp(l_old - l_b) for engine/trainer mismatch
+   (`algorithm.importance.weighting`: tis, masked_is, seq_geo_mask, decoupled_ppo or none):
+       l_t = w_t max(-A rho_t, -A clip(rho_t, 1 - clip_low, 1 + clip_high))
+       L   = sum_t m_t l_t / N
+Data-parallel sharding keeps a group on one rank, so group statistics stay local.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .advantages import AdvantageOutput, grpo_advantages
+from .base import AdvantageInputs, Algorithm, Phase
+from .importance import importance_weights
+from .losses import ppo_clip_loss
+from .registry import register
+
+if TYPE_CHECKING:
+    from .config import AlgorithmConfig
+
+
+def group_advantages(config: AlgorithmConfig, inputs: AdvantageInputs) -> AdvantageOutput:
+    """`grpo_advantages` of each trajectory's total reward, broadcast to its action tokens.
+
+    Needs inputs.group_ids [B]; returns advantages [B, T] (no value targets). Raises ValueError
+    when group_ids are missing.
+    """
+    if inputs.group_ids is None:
+        raise ValueError(f"algorithm.name={config.name!r} needs group_ids [B] (one id per task)")
+    cfg = config.grpo
+    mask = inputs.action_mask.to(torch.bool)
+    scores = inputs.node_rewards.sum(dim=1)
+    adv = grpo_advantages(scores, inputs.group_ids, std_normalize=cfg.std_normalize, eps=cfg.eps)
+    return AdvantageOutput(advantages=torch.where(mask, adv[:, None], 0.0))
+
+
+@register
+class GRPO(Algorithm):
+    """Old log-probs -> group advantages -> PPO-clip policy update."""
+
+    name = "grpo"
+    needs_value_model = False
+    keeps_groups_together = True
+    default_importance = "none"
+    importance_weightings = ("tis", "masked_is", "seq_geo_mask", "decoupled_ppo", "none")
+    schedule = (Phase.OLD_LOGPROBS, Phase.ADVANTAGES, Phase.POLICY_UPDATE)
+
+    @classmethod
+    def config_sections(cls, config: AlgorithmConfig) -> set[str]:
+        return {"grpo", "ppo", "importance"}
+
+    @property
+    def group_size(self) -> int:
+        return self.config.grpo.group_size
+
+    def compute_advantages(self, inputs: AdvantageInputs) -> AdvantageOutput:
+        return group_advantages(self.config, inputs)
+
+    def policy_loss(
+        self,
+        *,
+        logprobs,
+        behaviour_logprobs,
+        advantages,
+        action_mask,
+        old_logprobs=None,
+        num_tokens=None,
+        num_sequences=None,
+    ) -> torch.Tensor:
+        """`ppo_clip_loss` on exp(l_theta - l_old) times the behaviour weight on
+        exp(l_old - l_b). Raises ValueError without old_logprobs [B, T]."""
+        if old_logprobs is None:
+            raise ValueError(
+                "algorithm.name='grpo' needs old_logprobs [B, T] recomputed by the trainer"
+            )
+        cfg = self.config
+        w = importance_weights(cfg.importance, old_logprobs, behaviour_logprobs, action_mask)
+        return ppo_clip_loss(
+            logprobs,
+            old_logprobs,
+            advantages,
+            action_mask,
+            clip_low=cfg.ppo.clip_low,
+            clip_high=cfg.ppo.clip_high,
+            dual_clip=cfg.ppo.dual_clip,
+            weights=w.weights,
+            mode=cfg.loss_aggregation,
+            num_tokens=num_tokens,
+            num_sequences=num_sequences,
+        )

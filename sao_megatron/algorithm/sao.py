@@ -1,0 +1,138 @@
+"""SAO: single-trajectory asynchronous optimisation (arXiv 2607.07508; DESIGN.md section 3).
+
+Choices, in the order a train step runs them:
+
+1. One trajectory per task, streamed to the trainer as it ends (group size 1).
+2. Value model: V_old and the targets R = A(lam_value) + V from GAE over action tokens (or
+   action nodes, `algorithm.sao.advantage_granularity`), then K value updates on the same batch
+   (K = `algorithm.sao.value_updates_per_policy_update`, default 2) with the clipped loss
+   0.5 max((V - R)^2, (V_old + clip(V - V_old, +-eps_v) - R)^2).
+3. Advantages with the critic *after* its updates: GAE(lam_policy), observation tokens skipped.
+4. Policy update with direct importance sampling on the behaviour log-probs l_b the rollout
+   engine recorded -- no recomputed "old" log-probs (SAO saves that forward pass):
+
+       r_t  = exp(l_theta - l_b)
+       f(r) = r if 1 - eps_low < r < 1 + eps_high else 0        (dropped, not clipped)
+       L_pi = -sum_t m_t sg(f(r_t)) A_t l_theta_t / N          (N: global action tokens)
+
+   `algorithm.importance.weighting` swaps the band f for TIS / masked IS / sequence masking /
+   none, or for PPO's clipped surrogate on r (`ppo_clip`, the DIS-vs-PPO ablation).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .advantages import AdvantageOutput, action_token_gae, final_next_values, node_gae
+from .base import AdvantageInputs, Algorithm, Phase
+from .importance import importance_weights
+from .losses import dis_policy_loss, policy_gradient_loss, ppo_clip_loss
+from .registry import register
+
+if TYPE_CHECKING:
+    from .config import AlgorithmConfig
+
+#: behaviour corrections of a policy loss on r = exp(l_theta - l_b) (SAO, GRPO+DIS)
+BEHAVIOUR_WEIGHTINGS = ("dis_band", "ppo_clip", "tis", "masked_is", "seq_geo_mask", "none")
+
+
+def behaviour_policy_loss(
+    config: AlgorithmConfig,
+    *,
+    logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    num_tokens: int | torch.Tensor | None = None,
+    num_sequences: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Policy loss on r = exp(l_theta - l_b), weighted per `algorithm.importance.weighting`.
+
+    dis_band: `dis_policy_loss` (the formula above); ppo_clip: `ppo_clip_loss` with l_b as
+    pi_old (Schulman et al. 2017, eq. 7); otherwise `policy_gradient_loss` with the weights of
+    `importance_weights`. Shapes: all [B, T]; returns a scalar.
+    """
+    imp = config.importance
+    agg = dict(mode=config.loss_aggregation, num_tokens=num_tokens, num_sequences=num_sequences)
+    if imp.weighting == "dis_band":
+        return dis_policy_loss(
+            logprobs,
+            behaviour_logprobs,
+            advantages,
+            action_mask,
+            eps_low=imp.eps_low,
+            eps_high=imp.eps_high,
+            **agg,
+        )
+    if imp.weighting == "ppo_clip":
+        ppo = config.ppo
+        return ppo_clip_loss(
+            logprobs,
+            behaviour_logprobs,
+            advantages,
+            action_mask,
+            clip_low=ppo.clip_low,
+            clip_high=ppo.clip_high,
+            dual_clip=ppo.dual_clip,
+            **agg,
+        )
+    w = importance_weights(imp, logprobs, behaviour_logprobs, action_mask).weights
+    return policy_gradient_loss(logprobs, advantages, w, action_mask, **agg)
+
+
+@register
+class SAO(Algorithm):
+    """Value x K -> advantages with the updated critic -> DIS policy update."""
+
+    name = "sao"
+    needs_value_model = True
+    keeps_groups_together = False
+    default_importance = "dis_band"
+    importance_weightings = BEHAVIOUR_WEIGHTINGS
+
+    @classmethod
+    def config_sections(cls, config: AlgorithmConfig) -> set[str]:
+        extra = {"ppo"} if config.importance.weighting == "ppo_clip" else set()
+        return {"sao", "importance"} | extra
+
+    @property
+    def schedule(self) -> tuple[Phase, ...]:
+        k = self.config.sao.value_updates_per_policy_update
+        value = (Phase.VALUE_TARGETS, *[Phase.VALUE_UPDATE] * k)
+        return (*value, Phase.ADVANTAGES, Phase.POLICY_UPDATE)
+
+    def compute_advantages(self, inputs: AdvantageInputs) -> AdvantageOutput:
+        """GAE per `algorithm.sao` (action_token_gae or node_gae), with value targets.
+
+        Needs inputs.values [B, T]; truncated rows bootstrap with inputs.bootstrap_values [B]
+        when `algorithm.sao.bootstrap_truncated`. Raises ValueError when values are missing.
+        """
+        cfg = self.config.sao
+        mask = inputs.action_mask.to(torch.bool)
+        if inputs.values is None:
+            raise ValueError("algorithm.name='sao' needs values [B, T] from the value model")
+        truncated = inputs.truncated
+        if truncated is None:
+            truncated = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
+        nxt = final_next_values(truncated, inputs.bootstrap_values, cfg.bootstrap_truncated)
+        common = dict(
+            values=inputs.values,
+            node_rewards=inputs.node_rewards,
+            node_index=inputs.node_index,
+            action_mask=mask,
+            next_values=nxt,
+            gamma=cfg.gamma,
+            lam_policy=cfg.lam_policy,
+            lam_value=cfg.lam_value,
+            length_adaptive_alpha=cfg.length_adaptive_alpha,
+        )
+        if cfg.advantage_granularity == "action_token":
+            return action_token_gae(**common)
+        mode = "last_token" if cfg.advantage_granularity == "node_last_token" else "mean"
+        return node_gae(**common, node_value=mode)
+
+    def policy_loss(self, *, old_logprobs=None, **kw) -> torch.Tensor:
+        """`behaviour_policy_loss` (old_logprobs is not used: SAO has no OLD_LOGPROBS phase)."""
+        return behaviour_policy_loss(self.config, **kw)

@@ -1,0 +1,51 @@
+"""The non-tensor state a checkpoint holds: `Stateful` objects and the `CommonState` record.
+
+Checkpointed objects follow torchtitan's habit: anything with ``state_dict()`` /
+``load_state_dict(sd)`` (the run state, the task stream, Megatron's LR schedulers) is passed to
+`CheckpointManager.save` / `load` by name, so the manager needs no knowledge of what they are.
+
+The rollout buffer is deliberately not checkpointed: its in-flight and ready trajectories are
+regenerated after a resume from the task cursor (tasks the trainer had not trained on are drawn
+again), which keeps a checkpoint independent of the rollout engines and of timing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """An object whose non-tensor state round-trips through a picklable dict."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+@dataclass(kw_only=True)
+class CommonState:
+    """Non-tensor training state saved by rank 0 (RNG is saved per rank, separately).
+
+    Fields:
+        train_step: number of completed train steps (names the step folder).
+        policy_version: weight version last published to the rollout engine.
+        data_cursor: task/data iterator position (e.g. {"epoch": 1, "index": 40} or
+            {"tasks_consumed": 64}); trajectories are regenerated from it after a resume.
+        extra: free-form picklable dict (stage name, counters, ...).
+    """
+
+    train_step: int
+    policy_version: int = 0
+    data_cursor: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_saved(cls, saved: dict[str, Any]) -> CommonState:
+        """Rebuild from the dict in ``common/state.pt`` (without its ``states`` entry).
+
+        ``buffer_state`` (always None in checkpoints written before it was removed) is dropped.
+        """
+        fields = {k: v for k, v in saved.items() if k not in ("states", "buffer_state")}
+        return cls(**fields)

@@ -1,0 +1,212 @@
+"""`launch_scripts/train_slurm.sbatch` on a real one-node SLURM cluster, requeue included.
+
+Starts the cluster with tools/slurm_local_setup.sh (root; installs Debian's packages) or uses
+one that answers already. One job, submitted unchanged with small overrides (SFT 10 steps,
+value pre-training 1, RL 10 with vLLM): once RL has logged two steps, the test sends the job's
+batch shell USR1 (what `--signal=B:USR1@300` sends before a time limit). The trainer must finish
+its step, save a checkpoint at that step (save_interval=100 would never save there), exit 0,
+the job requeue itself and the second start resume from that checkpoint: every SFT and RL step
+in metrics.jsonl exactly once, everything under RUN_DIR, the job COMPLETED with one restart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SETUP = ROOT / "tools" / "slurm_local_setup.sh"
+SBATCH = ROOT / "launch_scripts" / "train_slurm.sbatch"
+SFT_STEPS, RL_STEPS = 10, 10
+OVERRIDES = [
+    f"sft.steps={SFT_STEPS}",
+    "value_pretrain.steps=1",
+    f"rl.steps={RL_STEPS}",
+    "tasks.num_eval_tasks=0",
+    "checkpoint.save_interval=100",
+    "rollout.startup_timeout_s=1200",
+    "logging.tensorboard=false",
+]
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "DEADLINE")
+
+pytestmark = [pytest.mark.slurm, pytest.mark.integration, pytest.mark.vllm]
+
+
+def _cluster_up() -> bool:
+    if not shutil.which("sinfo"):
+        return False
+    return subprocess.run(["bash", str(SETUP), "status"], capture_output=True).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster():
+    """A usable one-node cluster, started here if needed; skipped (with the reason) only where
+    SLURM cannot be installed: not root, or the package install failed."""
+    if _cluster_up():
+        return
+    if os.geteuid() != 0:
+        pytest.skip(
+            "SLURM: no cluster answers and not root, so tools/slurm_local_setup.sh cannot run"
+        )
+    out = subprocess.run(
+        ["nice", "-n", "10", "bash", str(SETUP)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
+    if out.returncode != 0:
+        tail = "\n".join((out.stdout + out.stderr).splitlines()[-15:])
+        if not shutil.which("slurmctld") or not shutil.which("sbatch"):
+            pytest.skip(f"SLURM could not be installed on this machine:\n{tail}")
+        pytest.fail(f"tools/slurm_local_setup.sh failed with SLURM installed:\n{tail}")
+    assert _cluster_up()
+
+
+def _job(job_id: str) -> dict[str, str]:
+    out = subprocess.run(
+        ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, check=False
+    )
+    fields = {}
+    for token in out.stdout.split():
+        key, _, value = token.partition("=")
+        fields.setdefault(key, value)
+    return fields
+
+
+def _steps(path: Path) -> list[int]:
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def _wait(
+    what: str, cond, job_id: str, out_file: Path, timeout_s: float, poll_s: float = 3.0
+) -> dict[str, str]:
+    """Poll until cond(job fields) is true; fail naming the .out file when the job ended
+    otherwise or time ran out."""
+    t0 = time.monotonic()
+    while True:
+        job = _job(job_id)
+        if cond(job):
+            return job
+        state = job.get("JobState", "?")
+        if state in ENDED:
+            pytest.fail(f"job {job_id} is {state} while waiting for {what}; see {out_file}")
+        if time.monotonic() - t0 > timeout_s:
+            pytest.fail(
+                f"job {job_id} still {state} after {timeout_s:.0f} s waiting for {what}; "
+                f"see {out_file}"
+            )
+        time.sleep(poll_s)
+
+
+@pytest.mark.timeout(3600)
+def test_sbatch_job_runs_and_resumes_from_the_signal_checkpoint(slurm_cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SAO_"))}
+    env |= {"CONFIG": "examples/configs/quickstart.yaml", "RUN_DIR": str(run_dir)}
+    t_submit = time.monotonic()
+    sub = subprocess.run(
+        ["sbatch", "--parsable", "--job-name=sao-slurm-test", f"--output={tmp_path}/slurm-%j.out",
+         str(SBATCH), *OVERRIDES],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert sub.returncode == 0, sub.stderr
+    job_id = sub.stdout.strip().split(";")[0]
+    out_file = tmp_path / f"slurm-{job_id}.out"
+    rl_metrics = run_dir / "rl" / "metrics.jsonl"
+    try:
+        _wait("RL step 2", lambda j: len(_steps(rl_metrics)) >= 2, job_id, out_file, 2400, 1.0)
+        t_signal = time.monotonic()
+        signalled_after = max(_steps(rl_metrics))
+        subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
+        job = _wait(
+            "the requeued job to complete",
+            lambda j: j.get("JobState") == "COMPLETED",
+            job_id,
+            out_file,
+            2400,
+        )
+    finally:
+        if _job(job_id).get("JobState") not in (*ENDED, None):
+            subprocess.run(["scancel", job_id], check=False)
+    t_done = time.monotonic()
+    log = out_file.read_text()
+    print(
+        f"\nslurm job {job_id}: RL step {signalled_after} at the signal after "
+        f"{t_signal - t_submit:.0f} s, completed {t_done - t_signal:.0f} s later "
+        f"(total {t_done - t_submit:.0f} s); {out_file}"
+    )
+    assert job["Restarts"] == "1", f"the job was not requeued exactly once; see {out_file}"
+    assert job["ExitCode"] == "0:0"
+    stopped = [line for line in log.splitlines() if "stopped by signal at step" in line]
+    assert len(stopped) == 1, f"no (or several) 'stopped by signal' lines in {out_file}"
+    stop_step = int(stopped[0].split("stopped by signal at step ")[1].split(";")[0])
+    assert signalled_after <= stop_step < RL_STEPS
+    ckpt = run_dir / "checkpoints" / "rl" / f"step_{stop_step:08d}"
+    assert f"checkpoint saved at {ckpt}" in stopped[0]
+    assert ckpt.is_dir()  # written at the signal: not a save_interval step
+    assert "requeueing job" in log and "(restart 1)" in log
+    assert "Traceback" not in log, f"a traceback in {out_file}"
+    # No step redone or skipped across the two starts; SFT ran once (RL resumed, SFT skipped).
+    assert _steps(rl_metrics) == list(range(1, RL_STEPS + 1))
+    assert _steps(run_dir / "sft" / "metrics.jsonl") == list(range(1, SFT_STEPS + 1))
+    # Everything under RUN_DIR (not the config's run_dir).
+    for rel in (
+        "config.yaml",
+        "summary.json",
+        "hf_policy_final",
+        "rollout",
+        f"checkpoints/rl/step_{RL_STEPS:08d}",
+        f"checkpoints/sft/step_{SFT_STEPS:08d}",
+    ):
+        assert (run_dir / rel).exists(), rel  # fmt: skip
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rl/steps_done"] == RL_STEPS
+    assert not (run_dir / ".stop_request").exists()
+    assert not (run_dir / ".stop_request.consumed").exists()
+
+
+@pytest.mark.timeout(1800)
+def test_scancel_during_sft_saves_that_step_and_does_not_requeue(slurm_cluster, tmp_path):
+    """`scancel` (SIGTERM to every process of the job): the ranks finish the SFT step, save it,
+    exit 0, and the batch shell does not requeue a cancelled job. SFT only: no engines."""
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SAO_"))}
+    env |= {"RUN_DIR": str(run_dir)}
+    sub = subprocess.run(
+        ["sbatch", "--parsable", "--job-name=sao-slurm-cancel", f"--output={tmp_path}/slurm-%j.out",
+         str(SBATCH), "stages=[sft]", "sft.steps=500", "checkpoint.save_interval=1000",
+         "logging.tensorboard=false"],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert sub.returncode == 0, sub.stderr
+    job_id = sub.stdout.strip().split(";")[0]
+    out_file = tmp_path / f"slurm-{job_id}.out"
+    sft_metrics = run_dir / "sft" / "metrics.jsonl"
+    try:
+        _wait("SFT step 3", lambda j: len(_steps(sft_metrics)) >= 3, job_id, out_file, 1200, 1.0)
+        at_cancel = max(_steps(sft_metrics))
+        subprocess.run(["scancel", job_id], check=True)
+        job = _wait("the job to end", lambda j: j.get("JobState") in ENDED, job_id, out_file, 600)
+    finally:
+        if _job(job_id).get("JobState") not in (*ENDED, None):
+            subprocess.run(["scancel", "--signal=KILL", job_id], check=False)
+    log = out_file.read_text()
+    print(f"\nslurm job {job_id}: scancel at SFT step {at_cancel}; {out_file}")
+    assert job["JobState"] == "CANCELLED" and job["Restarts"] == "0"
+    stopped = [line for line in log.splitlines() if "stopped by signal at step" in line]
+    assert len(stopped) == 1, f"no 'stopped by signal' line in {out_file}"
+    stop_step = int(stopped[0].split("stopped by signal at step ")[1].split(";")[0])
+    assert at_cancel <= stop_step < 500
+    assert (run_dir / "checkpoints" / "sft" / f"step_{stop_step:08d}").is_dir()
+    assert _steps(sft_metrics) == list(range(1, stop_step + 1))
+    assert "the trainer saved and stopped on TERM: no requeue" in log
+    assert "Traceback" not in log, f"a traceback in {out_file}"

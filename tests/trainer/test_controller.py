@@ -1,0 +1,125 @@
+"""Controller: run state and task stream round trips, the job config is never rewritten, and the
+saved config.yaml is the config the checkpoint was trained with (1 rank, real Megatron, no vLLM:
+the rollout is built but not started)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from sao_megatron.configs import load_config, to_yaml
+from sao_megatron.trainer.controller import Controller, RLRunState, TaskStream
+from sao_megatron.trainer.job import JobConfig, TasksConfig
+from tests.conftest import tiny_moe_kwargs
+
+
+def test_run_state_round_trip():
+    run = RLRunState(step=7, policy_version=7, value_pretrain_steps=3)
+    state = run.state_dict()
+    assert state == {"step": 7, "policy_version": 7, "value_pretrain_steps": 3}
+    back = RLRunState()
+    back.load_state_dict(json.loads(json.dumps(state)))
+    assert back == run
+    with pytest.raises(ValueError, match="RLRunState"):
+        RLRunState().load_state_dict({"step": 1})
+
+
+def test_task_stream_resumes_after_the_consumed_tasks():
+    cfg = TasksConfig(train=[{"name": "chain_sum"}, {"name": "hanoi", "weight": 2.0}])
+    first = TaskStream(cfg)
+    drawn = [next(first) for _ in range(10)]  # 10 drawn, 6 trained on, 4 in flight
+    first.consume(6)
+    state = first.state_dict()
+    assert state == {"tasks_consumed": 6}
+    resumed = TaskStream(cfg)
+    resumed.load_state_dict(state)
+    again = [next(resumed) for _ in range(4)]
+    assert [(t.task_id, t.seed) for t in again] == [(t.task_id, t.seed) for t in drawn[6:]]
+    assert resumed.state_dict() == state  # drawing is not consuming
+    with pytest.raises(ValueError, match="after tasks were drawn"):
+        resumed.load_state_dict(state)
+
+
+def _job(run_dir, algorithm: str) -> JobConfig:
+    model = [f"model.{k}={v}" for k, v in tiny_moe_kwargs().items() if k != "vocab_size"]
+    return load_config(
+        JobConfig,
+        None,
+        [
+            *model,
+            "model.vocab_size=1024",  # the trained tokenizer will be smaller
+            "model.max_position_embeddings=512",
+            "tokenizer.vocab_size=1000",
+            "demonstrations.num_episodes=8",
+            "demonstrations.envs=[{name: chain_sum}]",
+            f"run_dir={run_dir}",
+            f"algorithm.name={algorithm}",
+            "stages=[rl]",
+            "algorithm.grpo.group_size=2" if algorithm == "grpo_dis" else "rl.steps=2",
+            "rollout.trajectories_per_batch=4",
+            "checkpoint.save_dir=ckpt",
+        ],
+    )
+
+
+@pytest.mark.parametrize("algorithm", ["sao", "grpo_dis"])
+def test_components_get_run_time_paths_and_the_job_is_unchanged(
+    tmp_path, parallel_1rank, algorithm
+):
+    job = _job(tmp_path / "run", algorithm)
+    before_yaml, before = to_yaml(job), copy.deepcopy(job)
+    ctrl = Controller(job, parallel_1rank)
+    ctrl.prepare()
+    rl = ctrl.build_rl(None, None)
+    logger = ctrl._logger("rl", total=1, initial=0)
+    logger.close()
+
+    # the user's config objects are untouched (no field silently rewritten)
+    assert job == before and to_yaml(job) == before_yaml
+    assert job.model.vocab_size == 1024 and job.tokenizer.path is None
+    # run-time paths and the group size are constructor arguments of the components
+    run_dir = tmp_path / "run"
+    assert rl.rollout.run_dir == run_dir / "rollout"
+    assert rl.rollout.model_path == str(run_dir / "hf_policy")
+    assert (run_dir / "hf_policy" / "config.json").is_file()  # what the engines will load
+    assert rl.rollout.group_size == rl.rollout.buffer.group_size == ctrl.algorithm.group_size
+    assert ctrl.algorithm.group_size == (2 if algorithm == "grpo_dis" else 1)
+    assert rl.rollout.buffer.max_staleness == job.rollout.max_staleness
+    assert logger.run_dir == run_dir / "rl"
+    assert (rl.step_fn.value is not None) == (algorithm == "sao")
+
+    # the trained config: the vocabulary fitted to the trained tokenizer, recorded explicitly
+    tp = parallel_1rank.cfg.tp
+    fitted = -(-ctrl.tokenizer.vocab_size // tp) * tp
+    assert ctrl.job.model.vocab_size == fitted < 1024
+    assert ctrl.job.tokenizer.path == str(run_dir / "tokenizer")
+    emb = rl.step_fn.policy.unwrapped[0].embedding.word_embeddings.weight
+    assert emb.shape[0] == fitted
+    hf = json.loads((run_dir / "hf_policy" / "config.json").read_text())
+    assert hf["vocab_size"] == fitted
+
+
+def test_saved_config_is_the_config_the_checkpoint_was_trained_with(tmp_path, parallel_1rank):
+    job = _job(tmp_path / "run", "grpo_dis")
+    ctrl = Controller(job, parallel_1rank)
+    ctrl.prepare()
+    rl = ctrl.build_rl(None, None)
+    rl.run.step, rl.run.policy_version = 3, 3
+    ctrl.tasks.consume(5)
+    ctrl._save_rl(rl)
+
+    saved = (tmp_path / "run" / "config.yaml").read_text()
+    assert saved == to_yaml(ctrl.job)
+    step_dir = next((tmp_path / "run" / "ckpt" / "rl").glob("step_*"))
+    assert (step_dir / "config.yaml").read_text() == saved
+    reloaded = load_config(JobConfig, tmp_path / "run" / "config.yaml")  # loads as it is
+    assert reloaded == ctrl.job and reloaded.model.vocab_size < 1024
+
+    # resuming restores the run state and the task cursor
+    again = Controller(job, parallel_1rank)
+    again.prepare()
+    resumed = again.build_rl(None, step_dir)
+    assert resumed.run == rl.run
+    assert again.tasks.state_dict() == {"tasks_consumed": 5}
