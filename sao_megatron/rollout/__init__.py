@@ -22,7 +22,6 @@ _EXPORTS = {
     "EngineClient": "engine",
     "EngineError": "engine",
     "Generation": "engine",
-    "WeightPublisher": "weight_sync",
     "run_episode": "runner",
     "stale_token_mask": "staleness",
 }

@@ -46,12 +46,8 @@ from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.engine import EngineClient, EngineError, EngineProcess, Generation
 from sao_megatron.rollout.router import Router
 from sao_megatron.rollout.runner import EpisodeError, run_episode, sample_action, stop_token_ids
-from sao_megatron.rollout.weight_sync import (
-    EngineSyncReport,
-    WeightPublisher,
-    WeightSource,
-    sync_engine,
-)
+from sao_megatron.weight_sync.engines import EngineSyncReport, sync_engine
+from sao_megatron.weight_sync.publisher import WeightPublisher, WeightSource
 
 log = logging.getLogger("sao_megatron.rollout")
 

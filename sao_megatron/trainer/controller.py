@@ -45,6 +45,7 @@ from sao_megatron.trainer.metrics import (
 )
 from sao_megatron.trainer.rl_step import RLStep, StepConfig
 from sao_megatron.trainer.sft import SequenceSampler, sft_step
+from sao_megatron.weight_sync import export_hf, publish_policy
 
 log = logging.getLogger("sao_megatron.trainer")
 
@@ -303,9 +304,7 @@ class Controller:
             run.load_state_dict(common.extra["rl_run_state"])
             self.tasks.load_state_dict(common.data_cursor)
         hf_dir = self.run_dir / "hf_policy"
-        runtime.export_policy_hf(
-            policy.unwrapped, self.spec, self.hf_config, self.tokenizer, p, hf_dir
-        )
+        export_hf(policy.unwrapped, self.spec, self.hf_config, self.tokenizer, p, hf_dir)
         rollout = None
         if self.rank0:  # a resumed run's engines serve the checkpoint's weights as its version
             rollout = RolloutManager(
@@ -367,7 +366,13 @@ class Controller:
                 mem = peak_memory_gib()
                 run.step, run.policy_version = run.step + 1, run.policy_version + 1
                 with timer.phase("sync"):
-                    m |= self._publish(rl.rollout, step_fn.policy, run.policy_version)
+                    m |= publish_policy(
+                        step_fn.policy.unwrapped,
+                        self.spec,
+                        self.parallel,
+                        rl.rollout,
+                        run.policy_version,
+                    )
                 if job.rl.eval_interval and run.step % job.rl.eval_interval == 0:
                     m |= self._evaluate(rl.rollout)
                 elapsed = time.perf_counter() - self._clock
@@ -392,7 +397,7 @@ class Controller:
 
     def _finish_rl(self, rl: RLParts, m: dict[str, float]) -> None:
         """Export the final policy, evaluate it and fill the summary."""
-        runtime.export_policy_hf(
+        export_hf(
             rl.step_fn.policy.unwrapped,
             self.spec,
             self.hf_config,
@@ -421,20 +426,6 @@ class Controller:
             extra={"rl_run_state": rl.run.state_dict()},
         )
         self._save(rl.checkpoints, rl.states, common)
-
-    def _publish(self, rollout, policy, version: int) -> dict[str, float]:
-        """Send the policy's weights as `version` to the engines (collective; rank 0 writes)."""
-        weights = runtime.policy_hf_weights(policy.unwrapped, self.spec, self.parallel)
-        if rollout is None:
-            for _ in weights:  # take part in the gathers
-                pass
-            return {}
-        sync = rollout.publish_weights(weights, version)
-        return {
-            "sync/max_pause_s": sync.max_pause_s,
-            "sync/write_s": sync.write_s,
-            "sync/failed_engines": float(len(sync.failed_engines)),
-        }
 
     def _next_batch(self, rollout, version):
         """The next training batch on every rank (rank 0 pulls it from the rollout)."""

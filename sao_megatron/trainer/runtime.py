@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 
-from sao_megatron.convert.spec import ConversionSpec
 from sao_megatron.data.demonstrations import train_tokenizer_for_envs
 from sao_megatron.data.tokenizer import Tokenizer, load_tokenizer, save_tokenizer
 from sao_megatron.models import (
@@ -27,7 +24,6 @@ from sao_megatron.optim.config import OptimizerConfig
 from sao_megatron.parallel.collectives import barrier
 from sao_megatron.parallel.state import ParallelState
 from sao_megatron.trainer.job import JobConfig
-from sao_megatron.weight_sync import export_hf, gather_hf_weights
 
 log = logging.getLogger("sao_megatron.trainer")
 
@@ -95,19 +91,6 @@ def hf_config_for(model: MoEModelConfig, tokenizer: Tokenizer, dtype: str) -> di
         pad_token_id=tokenizer.pad_id,
         torch_dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
     )
-
-
-def policy_hf_weights(
-    policy: list[torch.nn.Module], spec: ConversionSpec, parallel: ParallelState
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Compatibility name: ``(hf_name, tensor)`` pairs of `gather_hf_weights` on rank 0, an empty
-    iterator elsewhere. The gather runs (collectively) when this is called; use
-    `sao_megatron.weight_sync.publish_policy` / `gather_hf_weights` instead."""
-    weights = gather_hf_weights(policy, spec, parallel)
-    return iter(weights.items() if weights is not None else ())
-
-
-export_policy_hf = export_hf  # compatibility name of sao_megatron.weight_sync.export_hf
 
 
 def build_policy_state(

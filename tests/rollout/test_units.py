@@ -17,7 +17,7 @@ from sao_megatron.rollout.engine import Generation, MalformedReplyError
 from sao_megatron.rollout.router import Router
 from sao_megatron.rollout.runner import EpisodeError, run_episode
 from sao_megatron.rollout.staleness import stale_token_fraction, stale_token_mask
-from sao_megatron.rollout.weight_sync import WeightPublisher
+from sao_megatron.weight_sync.publisher import WeightPublisher
 from tests.rollout.fakes import CountEnv, make_formatter
 
 
