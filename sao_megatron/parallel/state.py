@@ -50,7 +50,7 @@ class ParallelState:
         return self.pp_rank == self.cfg.pp - 1
 
     def shard_coords(self) -> dict[str, int]:
-        """Keyword arguments of ``sao_megatron.parallel.sharding.shard_state_dict`` for this rank."""
+        """Keyword arguments of `sao_megatron.parallel.sharding.shard_state_dict` for this rank."""
         return dict(
             tp_rank=self.tp_rank,
             tp_size=self.cfg.tp,

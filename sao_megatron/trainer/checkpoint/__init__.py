@@ -38,45 +38,30 @@ Modules: `config` (CheckpointConfig), `errors`, `state` (Stateful, CommonState),
 Files hold pickles (``torch.load(weights_only=False)``): load only checkpoints you trust.
 """
 
-from sao_megatron.trainer.checkpoint.config import CheckpointConfig
-from sao_megatron.trainer.checkpoint.errors import CheckpointError
-from sao_megatron.trainer.checkpoint.manager import CheckpointManager, LoadResult
-from sao_megatron.trainer.checkpoint.manifest import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    LATEST_NAME,
-    MANIFEST_NAME,
-    check_part_compatible,
-    find_latest,
-    find_resume_point,
-    is_complete,
-    list_checkpoints,
-    stale_tmp_dirs,
-    step_dir_name,
-    validate_checkpoint,
-)
-from sao_megatron.trainer.checkpoint.rng import capture_rng_state, restore_rng_state
-from sao_megatron.trainer.checkpoint.state import CommonState, Stateful
+from __future__ import annotations
 
-__all__ = [
-    "FORMAT_NAME",
-    "FORMAT_VERSION",
-    "LATEST_NAME",
-    "MANIFEST_NAME",
-    "CheckpointConfig",
-    "CheckpointError",
-    "CheckpointManager",
-    "CommonState",
-    "LoadResult",
-    "Stateful",
-    "capture_rng_state",
-    "check_part_compatible",
-    "find_latest",
-    "find_resume_point",
-    "is_complete",
-    "list_checkpoints",
-    "restore_rng_state",
-    "stale_tmp_dirs",
-    "step_dir_name",
-    "validate_checkpoint",
-]
+from sao_megatron.lazy import lazy_exports
+
+# Lazy exports: a submodule importing a sibling does not re-enter this package's __init__.
+_MODULES = {
+    "config": ("CheckpointConfig",),
+    "errors": ("CheckpointError",),
+    "manager": ("CheckpointManager", "LoadResult"),
+    "manifest": (
+        "FORMAT_NAME",
+        "FORMAT_VERSION",
+        "LATEST_NAME",
+        "MANIFEST_NAME",
+        "check_part_compatible",
+        "find_latest",
+        "find_resume_point",
+        "is_complete",
+        "list_checkpoints",
+        "stale_tmp_dirs",
+        "step_dir_name",
+        "validate_checkpoint",
+    ),
+    "rng": ("capture_rng_state", "restore_rng_state"),
+    "state": ("CommonState", "Stateful"),
+}
+__getattr__, __all__ = lazy_exports(__name__, _MODULES)
