@@ -62,9 +62,6 @@ def run(rank: int, world_size: int, root: str) -> None:
         load_converted_checkpoint,
         read_metadata,
     )
-    from sao_megatron.convert.hf_io import HFCheckpointReader, read_hf_config
-    from sao_megatron.convert.model_io import megatron_to_hf_tensors
-    from sao_megatron.convert.spec import ConversionSpec
     from sao_megatron.models import MoEModelConfig, build_policy
     from sao_megatron.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 
@@ -78,25 +75,35 @@ def run(rank: int, world_size: int, root: str) -> None:
         chunks = build_policy(MoEModelConfig(**read_metadata(out)["model_config"]), state)
         load_converted_checkpoint(chunks, out)
         logits = full_logits(chunks, state, ids)
-        spec = ConversionSpec.from_hf_config(read_hf_config(hf_dir))
-        exported, wrong = [], []
-        with HFCheckpointReader(hf_dir) as reader:
-            for hf_name, tensor in megatron_to_hf_tensors(chunks[0], spec):
-                exported.append(hf_name)
-                if not torch.equal(tensor, reader.get(hf_name)):
-                    wrong.append(hf_name)
-            expected = {
-                k for k in reader.keys() if not (spec.tie_word_embeddings and k == "lm_head.weight")
-            }
-        gathered = [None] * world_size
-        dist.all_gather_object(gathered, exported)
-        union = set().union(*gathered)
-        results[name] = {
-            "logits": logits,
-            "wrong": wrong,
-            "duplicates": len(exported) - len(set(exported)),
-            "missing": sorted(expected - union),
-            "extra": sorted(union - expected),
-        }
+        results[name] = {"logits": logits} | export_report(chunks, hf_dir, world_size)
         destroy_parallel()
     torch.save(results, base / f"rank{rank}.pt")
+
+
+def export_report(chunks, hf_dir: Path, world_size: int) -> dict:
+    """Export this rank's Megatron chunk to HF names and compare with the source checkpoint:
+    tensors that differ ("wrong"), names exported twice, and over all ranks the names missing
+    from or extra to the checkpoint (a tied lm_head is not expected)."""
+    from sao_megatron.convert.hf_io import HFCheckpointReader, read_hf_config
+    from sao_megatron.convert.model_io import megatron_to_hf_tensors
+    from sao_megatron.convert.spec import ConversionSpec
+
+    spec = ConversionSpec.from_hf_config(read_hf_config(hf_dir))
+    exported, wrong = [], []
+    with HFCheckpointReader(hf_dir) as reader:
+        for hf_name, tensor in megatron_to_hf_tensors(chunks[0], spec):
+            exported.append(hf_name)
+            if not torch.equal(tensor, reader.get(hf_name)):
+                wrong.append(hf_name)
+        expected = {
+            k for k in reader.keys() if not (spec.tie_word_embeddings and k == "lm_head.weight")
+        }
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, exported)
+    union = set().union(*gathered)
+    return {
+        "wrong": wrong,
+        "duplicates": len(exported) - len(set(exported)),
+        "missing": sorted(expected - union),
+        "extra": sorted(union - expected),
+    }

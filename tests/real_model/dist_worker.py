@@ -13,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 LAYOUTS: dict[str, tuple[str, dict]] = {
     "pp2_dense": ("dense", {"pp": 2}),
@@ -28,12 +27,9 @@ def run(rank: int, world_size: int, root: str) -> None:
         load_converted_checkpoint,
         read_metadata,
     )
-    from sao_megatron.convert.hf_io import HFCheckpointReader, read_hf_config
-    from sao_megatron.convert.model_io import megatron_to_hf_tensors
-    from sao_megatron.convert.spec import ConversionSpec
     from sao_megatron.models import MoEModelConfig, build_policy
     from sao_megatron.parallel import ParallelConfig, destroy_parallel, initialize_parallel
-    from tests.convert.dist_worker import full_logits
+    from tests.convert.dist_worker import export_report, full_logits
 
     base = Path(root)
     ids = torch.load(base / "ids.pt")
@@ -47,23 +43,6 @@ def run(rank: int, world_size: int, root: str) -> None:
         for chunk in chunks:
             chunk.eval()
         logits = full_logits(chunks, state, ids)
-        spec = ConversionSpec.from_hf_config(read_hf_config(hf_dir))
-        exported, wrong = [], []
-        with HFCheckpointReader(hf_dir) as reader:
-            for hf_name, tensor in megatron_to_hf_tensors(chunks[0], spec):
-                exported.append(hf_name)
-                if not torch.equal(tensor, reader.get(hf_name)):
-                    wrong.append(hf_name)
-            expected = set(reader.keys())
-        gathered = [None] * world_size
-        dist.all_gather_object(gathered, exported)
-        union = set().union(*gathered)
-        results[name] = {
-            "logits": logits,
-            "wrong": wrong,
-            "duplicates": len(exported) - len(set(exported)),
-            "missing": sorted(expected - union),
-            "extra": sorted(union - expected),
-        }
+        results[name] = {"logits": logits} | export_report(chunks, hf_dir, world_size)
         destroy_parallel()
     torch.save(results, base / f"rank{rank}.pt")

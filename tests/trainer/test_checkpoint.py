@@ -522,21 +522,11 @@ def test_policy_and_optimizer_resume_continues_exactly(one_rank, tmp_path):
     """MoE policy + Megatron Adam: the resumed run's next step equals the uninterrupted one."""
     from megatron.core import parallel_state as ps
 
-    from sao_megatron.models import MoEModelConfig, build_policy
+    from sao_megatron.models import build_policy
     from sao_megatron.optim import OptimizerConfig, PrecisionConfig, build_optimizer
     from sao_megatron.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 
-    model_cfg = MoEModelConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-    )
+    model_cfg = _small_moe(num_hidden_layers=2, num_experts=4)
 
     def build():
         parallel = initialize_parallel(ParallelConfig(seed=3))
@@ -589,21 +579,11 @@ def test_lr_schedule_resumed_inside_warmup_matches_uninterrupted(one_rank, tmp_p
     checkpointed as a Stateful ("stateful") or as a dict in CommonState.extra ("extra")."""
     from megatron.core import parallel_state as ps
 
-    from sao_megatron.models import MoEModelConfig, build_policy
+    from sao_megatron.models import build_policy
     from sao_megatron.optim import OptimizerConfig, PrecisionConfig, build_optimizer
     from sao_megatron.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 
-    model_cfg = MoEModelConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        num_experts=2,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-    )
+    model_cfg = _small_moe(num_hidden_layers=1, num_experts=2)
     optim = OptimizerConfig(lr=1e-3, warmup_steps=10, decay_style="linear", decay_steps=10)
 
     def build():
@@ -708,3 +688,12 @@ def test_pruning_never_deletes_newer_checkpoints(one_rank, tmp_path):
     keep2 = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path), keep_last_k=2))
     _save(keep2, 7)
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [6, 7]
+
+
+def _small_moe(**kw):
+    """A 32-wide MoE (2 heads, 1 KV head, top-2) for the resume tests; `kw` sets the rest."""
+    from sao_megatron.models import MoEModelConfig
+
+    base = dict(vocab_size=64, hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
+    base |= dict(head_dim=16, num_experts_per_tok=2, moe_intermediate_size=32)
+    return MoEModelConfig(**base, **kw)
