@@ -66,15 +66,19 @@ with ``asyncio.to_thread`` or `sao_megatron.rollout.status.call_step`).
 from __future__ import annotations
 
 import asyncio
+import importlib
+import importlib.util
 import inspect
 import json
 import logging
 import math
 import re
 import secrets
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -82,6 +86,7 @@ from aiohttp import web
 from sao_megatron.data.trajectory import ActionNode, Trajectory
 from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.engine import (
+    REPO_ROOT,
     SERVED_MODEL_NAME,
     EngineError,
     Generation,
@@ -883,6 +888,79 @@ class AgentEnvironment:
         raise failure_for(out.status, f"{kw.get('task_id')}: {out.status}: {out.error}")
 
 
+def resolve(spec: str | Callable, what: str = "agent") -> Callable:
+    """A callable from ``"package.module:name"`` or ``"path/to/file.py:name"`` (or itself).
+
+    Raises ValueError naming ``tasks.train[].options.<what>`` when it cannot be found."""
+    if callable(spec):
+        return spec
+    where = f"tasks.train[].options.{what}={spec!r}"
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ValueError(f"{where}: give 'package.module:function' or 'file.py:function'")
+    module, _, name = spec.rpartition(":")
+    try:
+        if module.endswith(".py"):
+            path = Path(module)
+            if not path.is_absolute():
+                path = REPO_ROOT / path if not path.exists() else path.resolve()
+            key = f"sao_agent_{abs(hash(str(path)))}"
+            mod = sys.modules.get(key)
+            if mod is None:
+                loader_spec = importlib.util.spec_from_file_location(key, path)
+                if loader_spec is None or loader_spec.loader is None:
+                    raise ImportError(f"cannot load {path}")
+                mod = importlib.util.module_from_spec(loader_spec)
+                loader_spec.loader.exec_module(mod)
+                sys.modules[key] = mod
+        else:
+            mod = importlib.import_module(module)
+        fn = getattr(mod, name)
+    except (ImportError, OSError, AttributeError) as e:
+        raise ValueError(f"{where}: {type(e).__name__}: {e}") from e
+    if not callable(fn):
+        raise ValueError(f"{where}: {name!r} is not callable")
+    return fn
+
+
+def make_agent_environment(
+    *,
+    agent: str | AgentFn,
+    task: str | Callable[[int], Any],
+    name: str = "agent",
+    step_timeout_s: float | None = None,
+    episode_timeout_s: float | None = None,
+    max_turns: int | None = None,
+) -> AgentEnvironment:
+    """The ``agent`` environment of a job config (``tasks.train: [{name: agent, options:
+    {agent: "examples/agents/calculator_agent.py:run", task: "...:make_task"}}]``)."""
+    run = resolve(agent, "agent")
+    if not inspect.iscoroutinefunction(run):
+        raise ValueError(
+            f"tasks.train[].options.agent={agent!r}: must be an `async def run(task, client)`"
+        )
+    for field_name, v in (
+        ("step_timeout_s", step_timeout_s),
+        ("episode_timeout_s", episode_timeout_s),
+    ):
+        if v is not None and not v > 0:
+            raise ValueError(f"tasks.train[].options.{field_name}={v!r}: must be > 0 or null")
+    return AgentEnvironment(
+        run,
+        resolve(task, "task"),
+        name=name,
+        step_timeout_s=step_timeout_s,
+        episode_timeout_s=episode_timeout_s,
+        max_turns=max_turns,
+    )
+
+
+async def close_shared_gateway() -> None:
+    """Stop the running loop's shared gateway (the manager's `_shutdown` calls it)."""
+    gw = _SHARED.pop(id(asyncio.get_running_loop()), None)
+    if gw is not None:
+        await gw.aclose()
+
+
 def agent_tasks(
     name: str, make_env: Callable[[], AgentEnvironment], start_seed: int = 0
 ) -> Iterator[Any]:
@@ -901,6 +979,9 @@ __all__ = [
     "ChatGateway",
     "TOOL_PROMPT",
     "agent_tasks",
+    "close_shared_gateway",
+    "make_agent_environment",
+    "resolve",
     "engine_generate",
     "message_key",
     "parse_tool_calls",

