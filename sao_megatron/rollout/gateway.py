@@ -796,13 +796,20 @@ def engine_generate(client: Any, config: RolloutConfig, stop_token_ids: list[int
     return generate
 
 
+def _limit(own: float | None, config: RolloutConfig, name: str) -> float | None:
+    """The environment's own limit, else the rollout's (the proposed RolloutConfig field)."""
+    return own if own is not None else getattr(config, name, None)
+
+
 class AgentEnvironment:
     """An agent function as a rollout environment: the manager runs it with `run_episode`.
 
     Args:
         agent: ``async def run(task, client) -> float``.
         make_task: ``seed -> task`` (plain or async; what the agent receives as ``task``).
-        step_timeout_s, episode_timeout_s, max_turns: limits (see `run_agent_episode`).
+        step_timeout_s, episode_timeout_s: limits (see `run_agent_episode`); None: the
+            rollout's ``rollout.step_timeout_s`` / ``rollout.episode_timeout_s`` (None there: none).
+        max_turns: model calls before truncation (capped by ``rollout.max_turns``).
         gateway: a running `ChatGateway`; default the loop's `shared_gateway()`.
 
     ``reset``/``step`` raise TypeError: an agent is not stepped by the runner's text loop.
@@ -869,8 +876,8 @@ class AgentEnvironment:
             episode_id=episode_id,
             is_stale=is_stale,
             gateway=self.gateway,
-            step_timeout_s=self.step_timeout_s,
-            episode_timeout_s=self.episode_timeout_s,
+            step_timeout_s=_limit(self.step_timeout_s, config, "step_timeout_s"),
+            episode_timeout_s=_limit(self.episode_timeout_s, config, "episode_timeout_s"),
             max_turns=self.max_turns,
         )
         if out.trajectory is not None:
@@ -927,31 +934,21 @@ def make_agent_environment(
     agent: str | AgentFn,
     task: str | Callable[[int], Any],
     name: str = "agent",
-    step_timeout_s: float | None = None,
-    episode_timeout_s: float | None = None,
     max_turns: int | None = None,
 ) -> AgentEnvironment:
     """The ``agent`` environment of a job config (``tasks.train: [{name: agent, options:
-    {agent: "examples/agents/calculator_agent.py:run", task: "...:make_task"}}]``)."""
+    {agent: "examples/agents/calculator_agent.py:run", task: "...:make_task"}}]``).
+
+    The time limits are the rollout's (``rollout.step_timeout_s``/``episode_timeout_s``, one
+    home for every episode); ``max_turns`` caps this agent below ``rollout.max_turns``."""
     run = resolve(agent, "agent")
     if not inspect.iscoroutinefunction(run):
         raise ValueError(
             f"tasks.train[].options.agent={agent!r}: must be an `async def run(task, client)`"
         )
-    for field_name, v in (
-        ("step_timeout_s", step_timeout_s),
-        ("episode_timeout_s", episode_timeout_s),
-    ):
-        if v is not None and not v > 0:
-            raise ValueError(f"tasks.train[].options.{field_name}={v!r}: must be > 0 or null")
-    return AgentEnvironment(
-        run,
-        resolve(task, "task"),
-        name=name,
-        step_timeout_s=step_timeout_s,
-        episode_timeout_s=episode_timeout_s,
-        max_turns=max_turns,
-    )
+    if max_turns is not None and max_turns < 1:
+        raise ValueError(f"tasks.train[].options.max_turns={max_turns!r}: must be >= 1 or null")
+    return AgentEnvironment(run, resolve(task, "task"), name=name, max_turns=max_turns)
 
 
 async def close_shared_gateway() -> None:

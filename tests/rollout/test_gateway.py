@@ -683,10 +683,9 @@ def test_make_agent_environment_from_config_strings():
         agent="examples/agents/calculator_agent.py:run",
         task="examples/agents/calculator_agent.py:make_task",
         name="calculator",
-        step_timeout_s=10.0,
         max_turns=4,
     )
-    assert env.name == "calculator" and env.max_turns == 4 and env.step_timeout_s == 10.0
+    assert env.name == "calculator" and env.max_turns == 4 and env.step_timeout_s is None
     assert env.make_task(5) == calc.make_task(5)
     assert env.agent.__name__ == "run"
     with pytest.raises(ValueError, match=r"options.agent='examples/agents/nope.py:run'"):
@@ -695,7 +694,36 @@ def test_make_agent_environment_from_config_strings():
         make_agent_environment(
             agent="examples/agents/calculator_agent.py:score", task=calc.make_task
         )
-    with pytest.raises(ValueError, match="options.step_timeout_s=0"):
-        make_agent_environment(agent=calc.run, task=calc.make_task, step_timeout_s=0)
+    with pytest.raises(ValueError, match="options.max_turns=0"):
+        make_agent_environment(agent=calc.run, task=calc.make_task, max_turns=0)
     with pytest.raises(ValueError, match="'package.module:function'"):
         make_agent_environment(agent="run", task=calc.make_task)
+
+
+def test_agent_environment_takes_the_rollout_time_limits(formatter):
+    """Without its own limits an AgentEnvironment uses rollout.step_timeout_s (the proposed
+    RolloutConfig field; set here as an attribute until RolloutConfig has it)."""
+    import dataclasses
+
+    cfg = dataclasses.replace(CONFIG)
+    cfg.step_timeout_s = 0.3
+    env = AgentEnvironment(_agent_looping(sleep_after_first=5.0), lambda seed: None)
+
+    async def main():
+        gw = await ChatGateway().start()
+        env.gateway = gw
+        try:
+            return await env.run(
+                seed=0,
+                task_id="t",
+                formatter=formatter,
+                generate=ScriptedEngine(formatter, REPLIES),
+                config=cfg,
+            )
+        finally:
+            await gw.aclose()
+
+    t0 = time.monotonic()
+    out = asyncio.run(main())
+    assert out.status == EpisodeStatus.TIMEOUT and "step_timeout_s=0.3" in out.error
+    assert time.monotonic() - t0 < 2.0
