@@ -508,7 +508,7 @@ class _Session:
         nodes = list(self.nodes)
         if nodes:
             nodes[-1].reward = float(reward)
-        return Trajectory(
+        traj = Trajectory(
             task_id=self.task_id,
             nodes=nodes,
             terminated=status == EpisodeStatus.COMPLETED,
@@ -519,6 +519,8 @@ class _Session:
             group_index=self.group_index,
             info=info,
         )
+        traj.status = status.value  # the proposed Trajectory.status field (also info["status"])
+        return traj
 
 
 # ====================================================================== the server
@@ -774,6 +776,7 @@ async def run_agent_episode(
         except ValueError as e:
             status, error = EpisodeStatus.ENGINE_ERROR, f"invalid trajectory: {e}"
             traj.info.update(status=status.value, error=error)
+            traj.status = status.value
     return AgentOutcome(status, traj, reward, error, time.monotonic() - t0)
 
 

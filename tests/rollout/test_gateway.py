@@ -137,6 +137,7 @@ def test_calculator_agent_multi_turn_tool_call(formatter):
     traj = out.trajectory
     assert [n.reward for n in traj.nodes] == [0.0, 1.0]
     assert traj.terminated and not traj.truncated and traj.info["status"] == "completed"
+    assert traj.status == "completed"
     assert (traj.temperature, traj.top_p, traj.context_mode) == (0.9, 1.0, "full_history")
     # the recorded nodes are exactly the engine's ids, log-probs and versions
     for node, gen in zip(traj.nodes, engine.generations, strict=True):
@@ -363,7 +364,7 @@ def test_every_failure_has_its_status_and_none_is_trainable(formatter):
         assert out.status == want, (name, out.status, out.error)
         assert not out.trainable and out.error, name
         if out.trajectory is not None:
-            assert out.trajectory.info["status"] == want.value
+            assert out.trajectory.info["status"] == out.trajectory.status == want.value
     assert results["timeout_step"][1] < 2.0 and results["timeout_episode"][1] < 2.0
     assert "step_timeout_s=0.3" in results["timeout_step"][0].error
     assert "episode_timeout_s=0.5" in results["timeout_episode"][0].error
