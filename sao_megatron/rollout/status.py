@@ -35,7 +35,14 @@ from collections.abc import Iterable
 from typing import Any
 
 from sao_megatron.rollout.engine import EngineError, MalformedReplyError
-from sao_megatron.rollout.runner import EpisodeError, StaleEpisodeError
+from sao_megatron.rollout.runner import EpisodeError
+
+try:  # runners that abort stale episodes raise their own; newer ones never abort for staleness
+    from sao_megatron.rollout.runner import StaleEpisodeError
+except ImportError:
+
+    class StaleEpisodeError(RuntimeError):
+        """The episode's tokens are too old to train (status ``aborted_stale``)."""
 
 
 class EpisodeStatus(str, enum.Enum):  # noqa: UP042 - StrEnum needs 3.11; we support 3.10
@@ -229,6 +236,7 @@ async def call_step(fn: Any, *args: Any, timeout_s: float | None = None, what: s
 
 __all__ = [
     "AgentError",
+    "StaleEpisodeError",
     "DEFAULT_REQUEUE",
     "EngineEpisodeError",
     "EnvStepError",

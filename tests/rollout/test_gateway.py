@@ -27,11 +27,12 @@ from sao_megatron.rollout.gateway import (
     run_agent_episode,
 )
 from sao_megatron.rollout.manager import RolloutManager
-from sao_megatron.rollout.runner import EpisodeError, StaleEpisodeError
+from sao_megatron.rollout.runner import EpisodeError
 from sao_megatron.rollout.status import (
     EnvStepError,
     EpisodeStatus,
     EpisodeTimeout,
+    StaleEpisodeError,
     StatusCounters,
     call_step,
 )
@@ -538,7 +539,6 @@ class AgentHookManager(RolloutManager):
                 generate=generate,
                 config=self.config,
                 group_index=group_index,
-                is_stale=self.buffer.is_stale,
                 episode_id=episode_id,
             )
         finally:

@@ -4,7 +4,7 @@ per-status metrics."""
 import pytest
 
 from sao_megatron.rollout.engine import EngineError, MalformedReplyError
-from sao_megatron.rollout.runner import EpisodeError, StaleEpisodeError
+from sao_megatron.rollout.runner import EpisodeError
 from sao_megatron.rollout.status import (
     DEFAULT_REQUEUE,
     AgentError,
@@ -12,6 +12,7 @@ from sao_megatron.rollout.status import (
     EnvStepError,
     EpisodeStatus,
     EpisodeTimeout,
+    StaleEpisodeError,
     StaleEpisodeFailure,
     StatusCounters,
     classify_exception,
