@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from collections.abc import Callable
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+from sao_megatron.net import free_port
 
 
 def tiny_moe_kwargs() -> dict:
@@ -50,12 +51,6 @@ def parallel_1rank():
     destroy_parallel()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -82,7 +77,7 @@ def launch(fn: Callable, world_size: int, *args) -> None:
     module-level function). Raises if any rank fails (its traceback is printed)."""
     mp.start_processes(
         _entry,
-        args=(world_size, _free_port(), fn, args),
+        args=(world_size, free_port(), fn, args),
         nprocs=world_size,
         join=True,
         start_method="spawn",

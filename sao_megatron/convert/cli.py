@@ -6,9 +6,10 @@ import argparse
 import math
 import os
 import re
-import socket
 import sys
 from collections.abc import Sequence
+
+from sao_megatron.net import free_port
 
 _EPILOG = """\
 examples:
@@ -122,12 +123,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _hf_to_megatron_rank(rank: int, args: argparse.Namespace, world: int, port: int) -> None:
     """Worker of one rank: set torchrun-style env, build the layout, convert."""
     if world > 1:
@@ -201,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"starting {world} local processes (tp={args.tp} pp={args.pp} ep={args.ep})")
         mp.start_processes(
             _hf_to_megatron_rank,
-            args=(args, world, _free_port()),
+            args=(args, world, free_port()),
             nprocs=world,
             start_method="spawn",
         )

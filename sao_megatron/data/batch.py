@@ -38,6 +38,9 @@ class TrainBatch:
     truncated: [num_traj] bool, the trajectory was cut by a budget (bootstrap from V).
     task_ids: list[str] of length num_traj; group_index: [num_traj] int64 (GRPO sample index).
     temperature: float, the sampling temperature shared by every trajectory in the batch.
+    top_p, top_k: the engine's nucleus mass and top-k (1.0 / 0: off), shared likewise; the
+        trainer scores log-probs under the same truncated distribution
+        (`sao_megatron.models.logprobs.token_logprobs_and_entropy`).
     """
 
     token_ids: torch.Tensor
@@ -54,6 +57,8 @@ class TrainBatch:
     task_ids: list[str]
     group_index: torch.Tensor
     temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
 
     @property
     def num_rows(self) -> int:
@@ -107,24 +112,26 @@ def pack_trajectories(
     """Pack trajectories into one right-padded `TrainBatch`.
 
     Args:
-        trajectories: validated trajectories, all sampled with the same temperature.
+        trajectories: validated trajectories, all sampled with the same temperature, top_p and
+            top_k.
         pad_token_id: token used for padding (never trained: masks are False there).
         max_seq_len: longest allowed row; a longer row raises ValueError (configure a context
             window or a larger model.max_position_embeddings).
         pad_to_multiple_of: pad T up to a multiple (TP with sequence parallel needs T % tp == 0).
 
     Raises:
-        ValueError: empty input, mixed temperatures, a row longer than max_seq_len, or an action
-            token at position 0 (a sequence must start with a prompt token).
+        ValueError: empty input, mixed temperatures/top_p/top_k, a row longer than max_seq_len,
+            or an action token at position 0 (a sequence must start with a prompt token).
     """
     if not trajectories:
         raise ValueError("pack_trajectories() got no trajectories")
-    temps = {t.temperature for t in trajectories}
-    if len(temps) != 1:
-        raise ValueError(
-            f"trajectories in one batch were sampled at temperatures {sorted(temps)}; the trainer "
-            "scores all rows at one temperature: keep rollout.temperature fixed within a run"
-        )
+    for name in ("temperature", "top_p", "top_k"):
+        values = {getattr(t, name) for t in trajectories}
+        if len(values) != 1:
+            raise ValueError(
+                f"trajectories in one batch were sampled at {name} {sorted(values)}; the "
+                f"trainer scores all rows at one {name}: keep rollout.{name} fixed within a run"
+            )
     rows: list[tuple[int, TokenSequence]] = []
     for ti, traj in enumerate(trajectories):
         for seq in _sequences(traj):
@@ -157,6 +164,8 @@ def pack_trajectories(
         task_ids=[t.task_id for t in trajectories],
         group_index=torch.tensor([t.group_index for t in trajectories], dtype=torch.long),
         temperature=trajectories[0].temperature,
+        top_p=trajectories[0].top_p,
+        top_k=trajectories[0].top_k,
     )
 
 

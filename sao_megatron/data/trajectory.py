@@ -46,6 +46,10 @@ class ActionNode:
         context_token_ids: the full prompt the engine saw, only in "window" context mode (None in
             "full_history" mode, where the prompt is the trajectory prefix).
         action_text: decoded action, kept for logs and debugging.
+        truncated: the engine cut this action at its token budget (vLLM ``finish_reason ==
+            "length"``) before a stop token: it was not passed to the environment (reward 0)
+            and ended the episode, which is then `Trajectory.truncated` (GAE bootstraps from V
+            of the state after it). Only the last node can be truncated.
     """
 
     observation_token_ids: list[int]
@@ -55,6 +59,7 @@ class ActionNode:
     reward: float = 0.0
     context_token_ids: list[int] | None = None
     action_text: str = ""
+    truncated: bool = False
 
     def validate(self, where: str = "ActionNode") -> None:
         """Raise ValueError naming the field if the node is inconsistent or holds NaN/inf."""
@@ -89,7 +94,8 @@ class Trajectory:
         nodes: the agent turns in order.
         terminated: the environment ended the episode (success, failure, illegal move).
         truncated: the episode hit its step/token budget; GAE then bootstraps from V(last state).
-        temperature, top_p: sampling settings, so the trainer scores under the same distribution.
+        temperature, top_p, top_k: sampling settings (top_p 1.0 and top_k 0: off), so the
+            trainer scores under the same distribution.
         context_mode: "full_history" or "window" (see module docstring).
         group_index: sample index within a GRPO group (0 for SAO's single trajectory).
         info: free-form episode facts for metrics (success flag, env name, ...).
@@ -101,6 +107,7 @@ class Trajectory:
     truncated: bool = False
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0
     context_mode: ContextMode = "full_history"
     group_index: int = 0
     info: dict = field(default_factory=dict)
@@ -132,8 +139,18 @@ class Trajectory:
             )
         if not (self.temperature > 0):
             raise ValueError(f"Trajectory.temperature={self.temperature}: must be > 0")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"Trajectory.top_p={self.top_p}: must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"Trajectory.top_k={self.top_k}: must be >= 0 (0 = off)")
         for i, node in enumerate(self.nodes):
             node.validate(where=f"Trajectory[{self.task_id!r}].nodes[{i}]")
+            if node.truncated and (i != len(self.nodes) - 1 or not self.truncated):
+                raise ValueError(
+                    f"Trajectory[{self.task_id!r}].nodes[{i}].truncated: an action cut at its "
+                    "token budget ends the episode, so it must be the last node of a "
+                    "truncated trajectory"
+                )
             if self.context_mode == "window" and node.context_token_ids is None:
                 raise ValueError(
                     f"Trajectory[{self.task_id!r}].nodes[{i}].context_token_ids is None in "

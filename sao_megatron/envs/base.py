@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -60,7 +61,9 @@ class EnvSpec:
     """Which environment to build and with which options (a job config holds a list of these).
 
     Fields:
-        name: a registered environment name (see `registered_envs()`), e.g. "hanoi".
+        name: a registered environment name (see `registered_envs()`), e.g. "hanoi"; checked
+            when the spec is built (so a misspelt name fails when the config loads, with the
+            closest registered names suggested). Register your own before loading the config.
         options: keyword options for that environment's config dataclass, e.g. {"horizon": 200}.
         weight: relative sampling weight when a job mixes several environments (> 0).
     """
@@ -72,6 +75,10 @@ class EnvSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"EnvSpec.name={self.name!r}: give a registered environment name")
+        check_env_name(
+            self.name,
+            where="EnvSpec.name (an entry of tasks.train, tasks.eval or demonstrations.envs)",
+        )
         if not (self.weight > 0):
             raise ValueError(f"EnvSpec.weight={self.weight}: must be > 0")
 
@@ -114,13 +121,37 @@ def register_env(name: str) -> Callable[[EnvFactory], EnvFactory]:
     return deco
 
 
-def make_env(name: str, **options: Any) -> Environment:
-    """Build a registered environment. Raises ValueError listing the known names."""
-    if name not in _REGISTRY:
+#: optional built-ins, registered only when their package is installed: name -> pip package
+OPTIONAL_ENVS = {"babyai": "minigrid"}
+
+
+def check_env_name(name: str, where: str = "environment name") -> None:
+    """Raise ValueError if `name` is not registered, suggesting the closest registered names
+    (difflib) and how to register or install one.
+
+    where: what to call the value in the message (e.g. "EnvSpec.name"; the job config's
+    ``tasks.train``, ``tasks.eval`` and ``demonstrations.envs`` entries are EnvSpecs).
+    """
+    if name in _REGISTRY:
+        return
+    if name in OPTIONAL_ENVS:
         raise ValueError(
-            f"unknown environment {name!r}; registered: {sorted(_REGISTRY)}. "
-            "Register your own with @sao_megatron.envs.base.register_env('name')"
+            f"{where}={name!r}: this environment needs the optional package "
+            f"{OPTIONAL_ENVS[name]!r}: pip install {OPTIONAL_ENVS[name]}"
         )
+    close = difflib.get_close_matches(name, sorted(_REGISTRY), n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+    raise ValueError(
+        f"{where}={name!r} is not a registered environment; {hint}registered: "
+        f"{sorted(_REGISTRY)}. Register your own with "
+        "@sao_megatron.envs.base.register_env('name') (import its module before loading the "
+        "config)"
+    )
+
+
+def make_env(name: str, **options: Any) -> Environment:
+    """Build a registered environment. Raises ValueError naming the closest known names."""
+    check_env_name(name)
     return _REGISTRY[name](**options)
 
 

@@ -1,9 +1,24 @@
 """Tower of Hanoi as a long-horizon agent environment: exactly H optimal moves remain at reset.
 
-Start state. For horizon H the environment picks n disks with 2^n - 1 >= H (the smallest such n
-plus a seeded 0..`extra_disks`), random start/target pegs, and starts from the state reached after
-k = 2^n - 1 - H moves of the standard optimal solution. That state lies on the optimal path, so
-exactly H optimal moves remain (the optimal distance from any 3-peg state is computed below).
+Puzzles. For horizon H the environment picks n disks with 2^n - 1 >= H (the smallest such n plus
+a seeded 0..`extra_disks`) and a start state at optimal distance exactly H from the goal:
+
+* ``start: canonical`` (default), ``goal: tower``: random start/target pegs and the state after
+  k = 2^n - 1 - H moves of the standard optimal solution (on the optimal path). One puzzle per
+  (n, start peg, target peg): 6 per disk count.
+* ``start: random``, ``goal: tower``: a uniformly random legal state at distance exactly H from
+  all disks on a random target peg (`hanoi_states.sample_state_at_distance`). There are exactly
+  3 * 2^popcount(H) such puzzles per disk count (H = 50: 24; H = 500: 192), so this removes the
+  "on the optimal path" restriction but cannot give many unseen puzzles.
+* ``start: random``, ``goal: random``: a uniformly random *pair* (start, goal) of legal states
+  at distance exactly H (`hanoi_states.sample_pair_at_distance`); the goal position is shown in
+  the first observation. H = 50 with 6-7 disks: 53,568 puzzles; H = 500 with 9-10: 3,747,648.
+
+``split: train | eval`` keeps only puzzles whose peg-relabelling class (`puzzle_class`) hashes to
+that side (`eval_fraction` of the classes are "eval"), so held-out puzzles are disjoint from
+training ones by construction, not only "in practice"; ``split: all`` (default) keeps every one.
+``horizon_distribution: lognormal | pareto`` draws H per episode (median `horizon`, capped at
+`max_horizon`): heavy-tailed episode lengths.
 
 Action format (strict). One move per step, written ``X->Y`` with X and Y two different peg labels
 (default ``A``, ``B``, ``C``), e.g. ``A->C``. Leading/trailing whitespace is ignored; anything else
@@ -16,22 +31,31 @@ Observation. The pegs, one line each, disks listed bottom to top::
     B: 3 2
     C:
 
-The first observation also states the task and the action format. Later observations are the
-pegs only (not the history).
+The first observation also states the task, the action format (and, with ``goal: random``, the
+goal position). Later observations are the pegs only (not the history).
 
-Rewards. `success_reward` (1.0) when the target peg holds all disks within `max_steps`
+Rewards. `success_reward` (1.0) when the goal is reached within `max_steps`
 (= ceil(`max_steps_factor` * H)); a malformed or illegal action gives `invalid_action_reward`
 (0.0) and ends the episode (or, with `invalid_action_ends_episode=False`, leaves the state
-unchanged and the episode continues); running out of steps truncates with reward 0. With the
+unchanged and the episode continues); running out of steps truncates with reward 0 (or, with
+``budget_end: terminate``, ends the episode as terminated: the budget is a rule of the task, so
+the failed episode's value is 0 and GAE must not bootstrap from the critic). With the
 defaults, reward 1 <=> reasoning-gym's `tower_of_hanoi` scorer gives 1.0 to the full move list
-(the k prefix moves + the agent's moves), see `reasoning_gym_entry` / `reasoning_gym_answer`.
+(the k prefix moves + the agent's moves), see `reasoning_gym_entry` / `reasoning_gym_answer`
+(canonical start only).
 
 Dense reward (``reward_mode="progress"``): every legal move earns
 ``success_reward * (d_before - d_after) / H`` with d the optimal distance to the goal, so an
 optimal move earns 1/H, a move away from the goal costs 1/H and the rewards of an episode sum to
 the fraction of the initial distance removed (1 when solved). Malformed/illegal moves get
-`invalid_action_reward` as above. Every step's info carries ``distance_to_goal``, ``progress``
-(= 1 - distance/H) and ``success`` in both modes.
+`invalid_action_reward` as above.
+
+Step info (both modes): ``distance_to_goal``, ``progress`` (= 1 - distance/H), ``success``,
+``move`` (this step: "optimal" = the distance fell by one, "non_optimal" = legal but the distance
+did not fall, "illegal", "malformed"), the episode's running counts ``num_optimal_moves``,
+``num_non_optimal_moves``, ``num_illegal_moves``, ``num_malformed_actions`` (the last step's info
+holds the episode totals), ``horizon`` (this episode's H) and ``puzzle_id``
+(`hanoi_states.puzzle_id`, to check evaluation puzzles against training ones).
 """
 
 from __future__ import annotations
@@ -43,9 +67,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from sao_megatron.envs.base import StepResult, config_from_options, register_env
+from sao_megatron.envs.hanoi_states import (  # noqa: F401  (re-exported: the public Hanoi API)
+    Move,
+    State,
+    distance_between,
+    gold_move,
+    gold_move_to,
+    num_pairs_at_distance,
+    num_states_at_distance,
+    optimal_distance,
+    puzzle_class,
+    puzzle_id,
+    sample_pair_at_distance,
+    sample_state_at_distance,
+    split_of,
+    states_at_distance,
+    tower,
+)
+from sao_megatron.envs.heavy_tail import HEAVY_TAILED, sample_heavy_tailed
 
-Move = tuple[int, int]  # (from peg index, to peg index), indices 0..2
-State = tuple[int, ...]  # state[d-1] = peg index of disk d (disk 1 is the smallest)
+_MAX_SPLIT_TRIES = 10_000
 
 
 @dataclass(kw_only=True)
@@ -53,7 +94,8 @@ class HanoiConfig:
     """Options of the Tower of Hanoi environment.
 
     Fields:
-        horizon: H, the number of optimal moves that remain at reset (>= 1).
+        horizon: H, the number of optimal moves that remain at reset (>= 1); the median H when
+            `horizon_distribution` is not "fixed".
         extra_disks: seeded 0..extra_disks disks added to the minimal n with 2^n - 1 >= H, so
             episodes of the same H differ in disk count (>= 0).
         max_disks: upper bound on n (2^n - 1 >= H must still be reachable); guards memory/time.
@@ -67,6 +109,20 @@ class HanoiConfig:
             legal move earns success_reward * (distance before - distance after) / H).
         instructions: "full" (the rules in words, ~70 tokens) or "short" (one terse line, for
             long-horizon runs where the first observation is in every windowed prompt).
+        start: "canonical" (a state on the standard optimal path) or "random" (a uniformly
+            random state at distance exactly H); see the module docstring.
+        goal: "tower" (all disks on one peg) or "random" (an arbitrary position at distance
+            exactly H from the start, shown in the first observation; needs start="random").
+        split: "all", "train" or "eval": keep only puzzles whose class hashes to that side.
+        eval_fraction: share of puzzle classes on the "eval" side, in (0, 1).
+        horizon_distribution: "fixed", "lognormal" (median `horizon`, sigma `horizon_shape`) or
+            "pareto" (median `horizon`, tail index `horizon_shape`): H drawn per episode.
+        horizon_shape: the lognormal sigma or the Pareto alpha (> 0).
+        max_horizon: cap on a drawn H (>= horizon); default 10 * horizon.
+        budget_end: "truncate" (running out of steps is a truncation: GAE bootstraps from V) or
+            "terminate" (it is a terminal failure with value 0: the budget is part of the task).
+        show_moves_left: add "Moves left: k" (the remaining step budget) to every observation,
+            so a critic that sees only a window of the episode can tell a lost position.
     """
 
     horizon: int = 50
@@ -79,17 +135,40 @@ class HanoiConfig:
     peg_labels: str = "ABC"
     reward_mode: str = "success"
     instructions: str = "full"
+    start: str = "canonical"
+    goal: str = "tower"
+    split: str = "all"
+    eval_fraction: float = 0.5
+    horizon_distribution: str = "fixed"
+    horizon_shape: float = 1.0
+    max_horizon: int | None = None
+    budget_end: str = "truncate"
+    show_moves_left: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.horizon, int) and self.horizon >= 1):
             raise ValueError(f"hanoi.horizon={self.horizon!r}: must be an integer >= 1")
         if not (isinstance(self.extra_disks, int) and self.extra_disks >= 0):
             raise ValueError(f"hanoi.extra_disks={self.extra_disks!r}: must be an integer >= 0")
-        if min_disks(self.horizon) + self.extra_disks > self.max_disks:
+        if self.horizon_distribution not in ("fixed", *HEAVY_TAILED):
             raise ValueError(
-                f"hanoi.max_disks={self.max_disks}: horizon {self.horizon} needs "
-                f"{min_disks(self.horizon)} disks plus extra_disks={self.extra_disks}; raise "
-                "max_disks or lower horizon/extra_disks"
+                f"hanoi.horizon_distribution={self.horizon_distribution!r}: use 'fixed', "
+                "'lognormal' or 'pareto'"
+            )
+        if not (self.horizon_shape > 0):
+            raise ValueError(f"hanoi.horizon_shape={self.horizon_shape}: must be > 0")
+        if self.max_horizon is not None and not (
+            isinstance(self.max_horizon, int) and self.max_horizon >= self.horizon
+        ):
+            raise ValueError(
+                f"hanoi.max_horizon={self.max_horizon!r}: must be an integer >= hanoi.horizon "
+                f"({self.horizon}), or null for the default"
+            )
+        if min_disks(self.largest_horizon) + self.extra_disks > self.max_disks:
+            raise ValueError(
+                f"hanoi.max_disks={self.max_disks}: horizon {self.largest_horizon} needs "
+                f"{min_disks(self.largest_horizon)} disks plus extra_disks={self.extra_disks}; "
+                "raise max_disks or lower horizon/max_horizon/extra_disks"
             )
         if not (self.max_steps_factor >= 1.0):
             raise ValueError(
@@ -100,6 +179,18 @@ class HanoiConfig:
             raise ValueError(f"hanoi.reward_mode={self.reward_mode!r}: use 'success' or 'progress'")
         if self.instructions not in ("full", "short"):
             raise ValueError(f"hanoi.instructions={self.instructions!r}: use 'full' or 'short'")
+        if self.budget_end not in ("truncate", "terminate"):
+            raise ValueError(f"hanoi.budget_end={self.budget_end!r}: use 'truncate' or 'terminate'")
+        if self.start not in ("canonical", "random"):
+            raise ValueError(f"hanoi.start={self.start!r}: use 'canonical' or 'random'")
+        if self.goal not in ("tower", "random"):
+            raise ValueError(f"hanoi.goal={self.goal!r}: use 'tower' or 'random'")
+        if self.goal == "random" and self.start != "random":
+            raise ValueError("hanoi.goal='random' needs hanoi.start='random'")
+        if self.split not in ("all", "train", "eval"):
+            raise ValueError(f"hanoi.split={self.split!r}: use 'all', 'train' or 'eval'")
+        if not (0.0 < self.eval_fraction < 1.0):
+            raise ValueError(f"hanoi.eval_fraction={self.eval_fraction}: must be in (0, 1)")
         labels = self.peg_labels
         if not (
             len(labels) == 3 and len(set(labels)) == 3 and labels.isalpha() and labels.isupper()
@@ -107,6 +198,14 @@ class HanoiConfig:
             raise ValueError(
                 f"hanoi.peg_labels={labels!r}: give three distinct upper-case letters, e.g. 'ABC'"
             )
+
+    @property
+    def largest_horizon(self) -> int:
+        """The largest H an episode can have: `horizon` when fixed, else `max_horizon`
+        (default 10 * horizon)."""
+        if self.horizon_distribution == "fixed":
+            return self.horizon
+        return self.max_horizon if self.max_horizon is not None else 10 * self.horizon
 
 
 def min_disks(horizon: int) -> int:
@@ -150,41 +249,6 @@ def optimal_moves(num_disks: int, src: int, dst: int) -> list[Move]:
 
     rec(num_disks, src, dst, 3 - src - dst)
     return out
-
-
-def _targets(state: State, target: int) -> list[int]:
-    """t[d-1]: where disk d must go next on the optimal route (largest disk first)."""
-    t = [0] * len(state)
-    cur = target
-    for d in range(len(state), 0, -1):
-        t[d - 1] = cur
-        if state[d - 1] != cur:
-            cur = 3 - state[d - 1] - cur
-    return t
-
-
-def optimal_distance(state: State, target: int) -> int:
-    """Minimum number of moves from any legal 3-peg state to all disks on `target`.
-
-    Disk d (largest first) that is not on its current goal costs 2^(d-1) moves: the smaller disks
-    must first gather on the third peg; the goal of disk d-1 then becomes that third peg.
-    """
-    t = _targets(state, target)
-    return sum(2 ** (d - 1) for d in range(1, len(state) + 1) if state[d - 1] != t[d - 1])
-
-
-def gold_move(state: State, target: int) -> Move | None:
-    """First move of an optimal solution from `state` (any legal state, on or off the optimal
-    path) to all disks on `target`; None when already solved.
-
-    It moves the smallest disk not on its goal peg (goals from `_targets`): all smaller disks sit
-    on their goals, which is the third peg, so the move is legal.
-    """
-    t = _targets(state, target)
-    for d in range(1, len(state) + 1):
-        if state[d - 1] != t[d - 1]:
-            return (state[d - 1], t[d - 1])
-    return None
 
 
 def top_disk(state: State, peg: int) -> int | None:
@@ -236,48 +300,108 @@ class HanoiEnv:
         if config is not None and options:
             raise TypeError("HanoiEnv: pass either a HanoiConfig or keyword options, not both")
         self.config = config or config_from_options(HanoiConfig, options, "hanoi")
-        self.max_steps = math.ceil(self.config.max_steps_factor * self.config.horizon - 1e-9)
+        self.horizon = self.config.horizon
+        self.max_steps = self._budget(self.config.largest_horizon)  # the largest; reset sets it
         self._labels = self.config.peg_labels
         self._move_re = re.compile(rf"\s*([{self._labels}])->([{self._labels}])\s*")
         self.state: State | None = None
         self.done = True
 
+    def _budget(self, horizon: int) -> int:
+        return math.ceil(self.config.max_steps_factor * horizon - 1e-9)
+
     # ------------------------------------------------------------------ episode
+    def draw_puzzle(self, seed: int) -> tuple[int, State, State, int | None, int | None]:
+        """(H, start, goal, start peg, target peg) of episode `seed` without starting it (the
+        pegs are None where the mode has none). Deterministic in `seed`."""
+        cfg = self.config
+        horizon = cfg.horizon
+        if cfg.horizon_distribution != "fixed":
+            cap = cfg.largest_horizon
+            h_rng = random.Random(f"hanoi-horizon:{seed}")
+            x = sample_heavy_tailed(
+                h_rng, cfg.horizon_distribution, cfg.horizon, cfg.horizon_shape, cap
+            )
+            horizon = max(1, min(round(x), cap))
+        rng = random.Random(f"hanoi:{seed}")
+        for _ in range(_MAX_SPLIT_TRIES):
+            n = min_disks(horizon) + rng.randint(0, cfg.extra_disks)
+            src: int | None = None
+            dst: int | None = None
+            if cfg.start == "canonical":
+                src, dst = rng.sample(range(3), 2)
+                start = state_after_optimal_moves(n, 2**n - 1 - horizon, src, dst)
+                goal = tower(n, dst)
+            elif cfg.goal == "tower":
+                dst = rng.randrange(3)
+                start = sample_state_at_distance(n, horizon, dst, rng)
+                goal = tower(n, dst)
+            else:
+                start, goal = sample_pair_at_distance(n, horizon, rng)
+            if cfg.split == "all" or split_of(puzzle_class(start, goal), cfg.eval_fraction) == (
+                cfg.split
+            ):
+                return horizon, start, goal, src, dst
+        raise ValueError(
+            f"hanoi.split={cfg.split!r}: no puzzle of horizon {horizon} in {_MAX_SPLIT_TRIES} "
+            f"draws falls on that side (eval_fraction={cfg.eval_fraction}); this mode has too "
+            "few puzzle classes to split (see num_distinct_puzzles): use start='random', "
+            "goal='random'"
+        )
+
     def reset(self, seed: int) -> str:
         """Start the episode for `seed`; returns the instructions plus the pegs."""
-        rng = random.Random(f"hanoi:{seed}")
         cfg = self.config
         self.seed = seed
-        self.num_disks = min_disks(cfg.horizon) + rng.randint(0, cfg.extra_disks)
-        self.start_peg, self.target_peg = rng.sample(range(3), 2)
-        self.num_prefix_moves = 2**self.num_disks - 1 - cfg.horizon
-        self.state = state_after_optimal_moves(
-            self.num_disks, self.num_prefix_moves, self.start_peg, self.target_peg
+        self.horizon, self.state, self.goal, self.start_peg, self.target_peg = self.draw_puzzle(
+            seed
         )
+        self.num_disks = len(self.state)
+        self.max_steps = self._budget(self.horizon)
+        self.num_prefix_moves = (
+            2**self.num_disks - 1 - self.horizon if cfg.start == "canonical" else None
+        )
+        self.puzzle_id = puzzle_id(self.state, self.goal)
         self.moves: list[Move] = []
-        self.distance = cfg.horizon  # the start state lies on the optimal path
+        self.distance = self.remaining_optimal_moves()
+        assert self.distance == self.horizon, (self.distance, self.horizon)
         self.num_steps = 0
+        self.counts = dict.fromkeys(_COUNT_KEYS.values(), 0)
         self.done = False
         lab = self._labels
+        if cfg.goal == "random":
+            if cfg.instructions == "short":
+                head = f"Hanoi {self.num_disks} disks, reach the goal, one move X->Y per turn."
+            else:
+                head = (
+                    f"Tower of Hanoi: {self.num_disks} disks on pegs {lab[0]}, {lab[1]}, "
+                    f"{lab[2]}. Rearrange them into the goal position. Disks are numbered by size "
+                    "(1 is the smallest) and listed bottom to top. Move one top disk per turn; "
+                    "never put a disk on a smaller one. Reply with exactly one move, e.g. "
+                    f"{lab[0]}->{lab[2]}."
+                )
+            return f"{head}\nGoal:\n{self.render(self.goal)}\nNow:\n{self._observation()}"
         if cfg.instructions == "short":
             return (
                 f"Hanoi {self.num_disks} disks, goal peg {lab[self.target_peg]}, "
-                f"one move X->Y per turn.\n" + self.render()
+                f"one move X->Y per turn.\n" + self._observation()
             )
         return (
             f"Tower of Hanoi: {self.num_disks} disks on pegs {lab[0]}, {lab[1]}, {lab[2]}. "
             f"Move all disks to peg {lab[self.target_peg]}. Disks are numbered by size (1 is the "
             "smallest) and listed bottom to top. Move one top disk per turn; never put a disk on "
             f"a smaller one. Reply with exactly one move, e.g. {lab[0]}->{lab[2]}.\n"
-            + self.render()
+            + self._observation()
         )
 
-    def render(self) -> str:
-        """The pegs, one line per peg, disks bottom to top (e.g. 'A: 5 4 1')."""
-        assert self.state is not None, "call reset() first"
+    def render(self, state: State | None = None) -> str:
+        """The pegs of `state` (default: the current one), one line per peg, disks bottom to top
+        (e.g. 'A: 5 4 1')."""
+        state = self.state if state is None else state
+        assert state is not None, "call reset() first"
         lines = []
         for p in range(3):
-            disks = [d for d in range(self.num_disks, 0, -1) if self.state[d - 1] == p]
+            disks = [d for d in range(len(state), 0, -1) if state[d - 1] == p]
             lines.append(f"{self._labels[p]}:" + "".join(f" {d}" for d in disks))
         return "\n".join(lines)
 
@@ -301,48 +425,72 @@ class HanoiEnv:
         elif not is_legal(self.state, move):
             error = "illegal"
         if error is not None:
-            info = {"success": False, "error": error, "num_steps": self.num_steps}
-            info |= self._distance_info(self.distance)
+            info = {"success": False, "error": error} | self._step_info(error)
             reward = cfg.invalid_action_reward
             if cfg.invalid_action_ends_episode:
                 self.done = True
                 return StepResult(observation="", reward=reward, done=True, info=info)
             if self.num_steps >= self.max_steps:
-                self.done = True
-                return StepResult(
-                    observation="", reward=reward, done=False, truncated=True, info=info
-                )
-            return StepResult(observation=self.render(), reward=reward, done=False, info=info)
+                return self._out_of_budget(reward, info)
+            return StepResult(observation=self._observation(), reward=reward, done=False, info=info)
         self.state = apply_move(self.state, move)
         self.moves.append(move)
-        before, self.distance = self.distance, optimal_distance(self.state, self.target_peg)
+        before, self.distance = self.distance, self.remaining_optimal_moves()
         solved = self.distance == 0
-        info = {"success": solved, "num_steps": self.num_steps} | self._distance_info(self.distance)
+        kind = "optimal" if self.distance < before else "non_optimal"
+        info = {"success": solved} | self._step_info(kind)
         if cfg.reward_mode == "progress":
-            reward = cfg.success_reward * (before - self.distance) / cfg.horizon
+            reward = cfg.success_reward * (before - self.distance) / self.horizon
         else:
             reward = cfg.success_reward if solved else 0.0
         if solved:
             self.done = True
             return StepResult(observation="", reward=reward, done=True, info=info)
         if self.num_steps >= self.max_steps:
-            self.done = True
-            return StepResult(observation="", reward=reward, done=False, truncated=True, info=info)
-        return StepResult(observation=self.render(), reward=reward, done=False, info=info)
+            return self._out_of_budget(reward, info)
+        return StepResult(observation=self._observation(), reward=reward, done=False, info=info)
 
-    def _distance_info(self, distance: int) -> dict[str, float]:
-        return {"distance_to_goal": distance, "progress": 1.0 - distance / self.config.horizon}
+    def _out_of_budget(self, reward: float, info: dict[str, Any]) -> StepResult:
+        """The step budget is spent without solving: truncated or terminated (`budget_end`)."""
+        self.done = True
+        end = self.config.budget_end == "terminate"
+        return StepResult(observation="", reward=reward, done=end, truncated=not end, info=info)
+
+    def _observation(self) -> str:
+        """The pegs, plus the remaining budget with `show_moves_left`."""
+        if self.config.show_moves_left:
+            return f"Moves left: {self.max_steps - self.num_steps}\n" + self.render()
+        return self.render()
+
+    def _step_info(self, kind: str) -> dict[str, Any]:
+        """Facts of this step: its kind, the running counts, distance/progress and identity."""
+        self.counts[_COUNT_KEYS[kind]] += 1
+        return {
+            "move": kind,
+            "num_steps": self.num_steps,
+            **self.counts,
+            "distance_to_goal": self.distance,
+            "progress": 1.0 - self.distance / self.horizon,
+            "horizon": self.horizon,
+            "puzzle_id": self.puzzle_id,
+        }
 
     # ------------------------------------------------------------------ experts and checks
     def format_move(self, move: Move) -> str:
         """Action text of a move, e.g. (0, 2) -> 'A->C'."""
         return f"{self._labels[move[0]]}->{self._labels[move[1]]}"
 
+    def _gold(self) -> Move | None:
+        assert self.state is not None
+        if self.config.goal == "tower":
+            return gold_move(self.state, self.target_peg)
+        return gold_move_to(self.state, self.goal)
+
     def gold_action(self) -> str:
         """The first move of an optimal solution from the current state (on or off path)."""
         if self.done or self.state is None:
             raise RuntimeError("HanoiEnv.gold_action(): no episode in progress")
-        move = gold_move(self.state, self.target_peg)
+        move = self._gold()
         assert move is not None, "unsolved state has a gold move"
         return self.format_move(move)
 
@@ -350,11 +498,11 @@ class HanoiEnv:
         """With probability `epsilon` a legal move that is not the gold move, else the gold move.
 
         Returns (action text, is_gold). After a wrong move, later calls recover along the optimal
-        route from the new state (gold_move works from any state).
+        route from the new state (the gold solver works from any state).
         """
         if self.done or self.state is None:
             raise RuntimeError("HanoiEnv.noisy_gold_action(): no episode in progress")
-        gold = gold_move(self.state, self.target_peg)
+        gold = self._gold()
         if rng.random() < epsilon:
             wrong = [m for m in legal_moves(self.state) if m != gold]
             return self.format_move(rng.choice(wrong)), False
@@ -364,10 +512,20 @@ class HanoiEnv:
     def remaining_optimal_moves(self) -> int:
         """Optimal distance from the current state to the goal."""
         assert self.state is not None, "call reset() first"
-        return optimal_distance(self.state, self.target_peg)
+        if self.config.goal == "tower":
+            return optimal_distance(self.state, self.target_peg)
+        return distance_between(self.state, self.goal)
+
+    def _check_canonical(self, what: str) -> None:
+        if self.config.start != "canonical":
+            raise ValueError(
+                f"HanoiEnv.{what}() needs hanoi.start='canonical' (reasoning-gym puzzles start "
+                f"from a full tower); this env has start={self.config.start!r}"
+            )
 
     def reasoning_gym_entry(self) -> dict[str, Any]:
         """A reasoning-gym `tower_of_hanoi` entry for this episode's full puzzle (pegs 1..3)."""
+        self._check_canonical("reasoning_gym_entry")
         return {
             "metadata": {
                 "num_disks": self.num_disks,
@@ -381,6 +539,7 @@ class HanoiEnv:
     def reasoning_gym_answer(self, moves: list[Move] | None = None) -> str:
         """The k prefix moves plus `moves` (default: the agent's legal moves so far) in
         reasoning-gym's format 'Move disk X from Peg Y to Peg Z', one per line."""
+        self._check_canonical("reasoning_gym_answer")
         full = optimal_moves(self.num_disks, self.start_peg, self.target_peg)
         full = full[: self.num_prefix_moves] + list(self.moves if moves is None else moves)
         state = tuple([self.start_peg] * self.num_disks)
@@ -392,3 +551,99 @@ class HanoiEnv:
                 break  # the scorer rejects the answer at this line anyway
             state = apply_move(state, mv)
         return "\n".join(lines)
+
+
+_COUNT_KEYS = {
+    "optimal": "num_optimal_moves",
+    "non_optimal": "num_non_optimal_moves",
+    "illegal": "num_illegal_moves",
+    "malformed": "num_malformed_actions",
+}
+
+
+# ---------------------------------------------------------------------- puzzle counts, overlap
+def num_distinct_puzzles(config: HanoiConfig) -> dict[str, int]:
+    """Exact numbers of distinct start puzzles (start, goal) a config can produce with
+    split='all': {"puzzles": ..., "classes": ...} (classes: up to renaming the pegs; every class
+    of a puzzle with H >= 1 has exactly 6 members, see tests). Needs a fixed horizon."""
+    if config.horizon_distribution != "fixed":
+        raise ValueError("num_distinct_puzzles: needs hanoi.horizon_distribution='fixed'")
+    h = config.horizon
+    disks = range(min_disks(h), min_disks(h) + config.extra_disks + 1)
+    if config.start == "canonical":
+        ids, classes = set(), set()
+        for n in disks:
+            for src in range(3):
+                for dst in range(3):
+                    if src != dst:
+                        s, g = state_after_optimal_moves(n, 2**n - 1 - h, src, dst), tower(n, dst)
+                        ids.add(puzzle_id(s, g))
+                        classes.add(puzzle_class(s, g))
+        return {"puzzles": len(ids), "classes": len(classes)}
+    if config.goal == "tower":
+        total = sum(3 * num_states_at_distance(n, h) for n in disks)
+    else:
+        total = sum(num_pairs_at_distance(n, h) for n in disks)
+    return {"puzzles": total, "classes": total // 6}
+
+
+def puzzle_overlap(
+    train: dict[str, Any] | HanoiConfig,
+    train_seeds: list[int],
+    held_out: dict[str, Any] | HanoiConfig,
+    held_out_seeds: list[int],
+) -> dict[str, float]:
+    """How many held-out puzzles were also training puzzles.
+
+    `train` / `held_out`: the two environments' options (or configs); the seeds are the episode
+    seeds each stream uses. Returns counts of distinct puzzles on each side and of the held-out
+    episodes whose puzzle id (exact) or class (up to peg renaming) occurs in training, with the
+    fractions of held-out episodes they make up.
+    """
+
+    def ids(cfg: dict[str, Any] | HanoiConfig, seeds: list[int]) -> list[tuple[str, str]]:
+        env = HanoiEnv(cfg) if isinstance(cfg, HanoiConfig) else HanoiEnv(**cfg)
+        out = []
+        for s in seeds:
+            _, start, goal, _, _ = env.draw_puzzle(s)
+            out.append((puzzle_id(start, goal), puzzle_class(start, goal)))
+        return out
+
+    tr, ho = ids(train, train_seeds), ids(held_out, held_out_seeds)
+    tr_ids, tr_classes = {i for i, _ in tr}, {c for _, c in tr}
+    seen_id = sum(i in tr_ids for i, _ in ho)
+    seen_class = sum(c in tr_classes for _, c in ho)
+    n = max(len(ho), 1)
+    return {
+        "train_puzzles": float(len(tr_ids)),
+        "held_out_puzzles": float(len({i for i, _ in ho})),
+        "held_out_episodes": float(len(ho)),
+        "held_out_episodes_seen_exact": float(seen_id),
+        "held_out_episodes_seen_class": float(seen_class),
+        "fraction_seen_exact": seen_id / n,
+        "fraction_seen_class": seen_class / n,
+    }
+
+
+def move_error_rates(infos: list[dict[str, Any]]) -> dict[str, float]:
+    """Per-move error rates pooled over episodes, from each episode's final step info.
+
+    Returns {} when no info carries the move counts (not a Hanoi episode), else
+    ``illegal_move_rate`` = (illegal + malformed) / moves played, ``non_optimal_move_rate`` =
+    legal non-optimal / moves played, ``malformed_action_rate`` = malformed / moves played and
+    ``num_moves`` (moves played = every step, bad ones included). Pooling (total errors / total
+    moves) is the maximum-likelihood per-move hazard when errors are independent per move; with
+    ``invalid_action_ends_episode`` each episode has at most one illegal/malformed step, so the
+    rate is 1 / (mean moves before the first error).
+    """
+    rows = [i for i in infos if "num_optimal_moves" in i]
+    if not rows:
+        return {}
+    moves = sum(int(i["num_steps"]) for i in rows)
+    bad = sum(int(i["num_illegal_moves"]) + int(i["num_malformed_actions"]) for i in rows)
+    return {
+        "illegal_move_rate": bad / max(moves, 1),
+        "non_optimal_move_rate": sum(int(i["num_non_optimal_moves"]) for i in rows) / max(moves, 1),
+        "malformed_action_rate": sum(int(i["num_malformed_actions"]) for i in rows) / max(moves, 1),
+        "num_moves": float(moves),
+    }

@@ -101,6 +101,8 @@ def forward_backward(
     micro_batch_size: int | None = None,
     temperature: float = 1.0,
     forward_only: bool = False,
+    top_p: float = 1.0,
+    top_k: int = 0,
 ) -> list[dict[str, torch.Tensor]]:
     """Forward (and backward unless ``forward_only``) over ``batch`` in micro-batches.
 
@@ -115,8 +117,8 @@ def forward_backward(
         kind: ``"policy"`` or ``"value"``.
         loss_fn: see ``LossFn``; None = outputs only (then ``forward_only`` must be True).
         micro_batch_size: rows per micro-batch (default: the whole batch); must divide B.
-        temperature: sampling temperature for policy log-probs (see
-            ``token_logprobs_and_entropy``).
+        temperature, top_p, top_k: the engine's sampling settings for policy log-probs and
+            entropies (see ``token_logprobs_and_entropy``; top_p=1, top_k=0: off).
 
     Returns:
         On the last pipeline stage, one dict per micro-batch with the detached outputs
@@ -160,7 +162,12 @@ def forward_backward(
             logits = output[:, : seq_len - 1]
             targets = mb.input_ids[:, 1:seq_len].to(device)
             lp, ent = token_logprobs_and_entropy(
-                logits, targets, temperature, tp_group=parallel.pg_collection.tp
+                logits,
+                targets,
+                temperature,
+                tp_group=parallel.pg_collection.tp,
+                top_p=top_p,
+                top_k=top_k,
             )
             outputs = {"logprobs": lp, "entropy": ent}
         else:
@@ -231,11 +238,13 @@ def compute_policy_logprobs(
     temperature: float = 1.0,
     micro_batch_size: int | None = None,
     broadcast: bool = True,
+    top_p: float = 1.0,
+    top_k: int = 0,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Log-probs and entropy of each next token, no gradient.
 
-    ``logprobs[b, t] = log pi(input_ids[b, t+1] | input_ids[b, :t+1])`` (temperature applied as
-    in vLLM). Positions whose target is padding hold garbage; mask them.
+    ``logprobs[b, t] = log pi(input_ids[b, t+1] | input_ids[b, :t+1])`` (temperature, top-k and
+    top-p applied as in vLLM). Positions whose target is padding hold garbage; mask them.
 
     Returns:
         (logprobs [B, T-1] float32, entropy [B, T-1] float32); on non-last pipeline stages
@@ -249,6 +258,8 @@ def compute_policy_logprobs(
         micro_batch_size=micro_batch_size,
         temperature=temperature,
         forward_only=True,
+        top_p=top_p,
+        top_k=top_k,
     )
     b, t = batch.input_ids.shape
     return (

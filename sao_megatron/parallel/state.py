@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from sao_megatron.net import free_port
 from sao_megatron.parallel.config import ParallelConfig
 from sao_megatron.platform import Platform, setup_platform
 
@@ -69,12 +69,6 @@ class ParallelState:
         )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _init_torch_distributed(platform: Platform) -> None:
     if dist.is_initialized():
         return
@@ -83,7 +77,7 @@ def _init_torch_distributed(platform: Platform) -> None:
     else:
         dist.init_process_group(
             backend=platform.backend,
-            init_method=f"tcp://127.0.0.1:{_free_port()}",
+            init_method=f"tcp://127.0.0.1:{free_port()}",
             rank=0,
             world_size=1,
         )

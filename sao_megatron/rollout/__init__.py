@@ -24,6 +24,7 @@ _EXPORTS = {
     "Generation": "engine",
     "WeightPublisher": "weight_sync",
     "run_episode": "runner",
+    "stale_token_mask": "staleness",
 }
 
 __all__ = sorted(_EXPORTS)

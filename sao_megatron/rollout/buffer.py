@@ -1,19 +1,26 @@
 """Trajectory buffer with bounded staleness and a double-buffered hand-off to the trainer.
 
-Off-policy control (DESIGN.md section 3) has two parts, both here:
+Off-policy control (DESIGN.md section 3, docs/ROLLOUT.md "Bounded staleness") is bounded at
+admission and per token; episodes are never aborted for staleness mid-flight (a long episode
+would then never finish: issue 19). The buffer does admission and the hand-off check:
 
-1. **Admission of new episodes (AReaL capacity rule).** AReaL (Fu et al. 2025, "AReaL: A
-   Large-Scale Asynchronous Reinforcement Learning System for Language Reasoning", section 5.1)
-   lets the rollout start a trajectory only while ``N_started <= (v + eta + 1) * B``: N_started
-   counts trajectories started and not discarded, v is the engines' weight version, eta =
-   ``max_staleness`` and B = ``trajectories_per_batch``. Batch j is trained at train_version j,
-   so trajectories consumed in start order are never more than eta versions old, and the rollout
-   cannot run arbitrarily far ahead of a slow trainer. (`StalenessBuffer.can_start`.)
-2. **Filter at hand-off (guarantee).** Episodes finish out of order and a long multi-turn episode
-   can outlive several updates, so the rule alone is not a guarantee. `get_batch(train_version)`
-   drops every group with ``train_version - min(policy_version) > max_staleness`` and hands it
-   to ``on_stale`` (the manager requeues the task: a fresh episode, never a duplicate). In-flight
-   episodes that are already too old are aborted early by the manager (`is_stale`).
+1. **Admission of new episodes.** A group starts only while the engines' weight version v is
+   within the bound of the trainer's (``train_version - v <= max_staleness``) and AReaL's
+   capacity rule holds (Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement
+   Learning System for Language Reasoning", section 5.1): ``N_started <= (v + eta + 1) * B``,
+   N_started counting trajectories started and not discarded, eta = ``max_staleness``, B =
+   ``trajectories_per_batch``. The rule keeps the rollout from running arbitrarily far ahead of
+   a slow trainer; with one batch per version it also bounds the lag of every trajectory's
+   *newest* token by eta (a trajectory that finishes at version v is among the first
+   (v + eta + 1) * B started, so it is consumed by batch v + eta at the latest).
+   (`StalenessBuffer.can_start`.)
+2. **Hand-off.** Tokens older than the bound inside an admitted trajectory are dropped from the
+   policy loss by the trainer (`sao_megatron.rollout.staleness.stale_token_mask`). A group whose
+   tokens are *all* older than the bound (``train_version - max(policy_version) > eta`` for
+   every trajectory; possible only when the trainer consumed more batches than versions or an
+   engine fell behind) has nothing to train: `get_batch` drops it, counts it
+   (``num_stale_dropped``) and hands it to ``on_stale`` (the manager requeues the task: a fresh
+   episode, never a duplicate).
 
 Double buffering: finished groups append to a *filling* list; as soon as B trajectories are there
 and the *ready* slot is empty they are sealed into it. The trainer takes the ready batch
@@ -28,7 +35,10 @@ import threading
 import time
 from collections.abc import Callable
 
+import torch
+
 from sao_megatron.data.trajectory import Trajectory
+from sao_megatron.rollout.staleness import stale_token_mask
 
 Group = list[Trajectory]
 
@@ -39,8 +49,9 @@ class StalenessBuffer:
     Args:
         trajectories_per_batch: B, trajectories per training batch (multiple of group_size).
         group_size: G, trajectories per group (1 for SAO).
-        max_staleness: eta >= 0, the bound on train_version - min(policy_version).
-        on_stale: called (outside the lock) with each group dropped as stale.
+        max_staleness: eta >= 0, the bound on train_version - policy_version of a trained token.
+        on_stale: called (outside the lock) with each group dropped because all its tokens are
+            older than the bound.
     Raises ValueError for inconsistent sizes.
     """
 
@@ -79,13 +90,22 @@ class StalenessBuffer:
             "num_batches": 0,
             "last_lag_mean": 0.0,
             "last_lag_max": 0,
+            "last_stale_token_fraction": 0.0,
         }
 
     # ----------------------------------------------------------------- admission (AReaL rule)
-    def can_start(self, engine_version: int) -> bool:
-        """True if one more group may start at engine weight version `engine_version`."""
+    def can_start(self, engine_version: int, base_version: int = 0) -> bool:
+        """True if one more group may start at engine weight version `engine_version`.
+
+        The engines must be within the bound of the trainer (``train_version - engine_version
+        <= max_staleness``) and AReaL's capacity rule must hold, counting versions from
+        `base_version` (the version this run started at: a resumed run starts at its
+        checkpoint's version with nothing started).
+        """
         with self._cond:
-            cap = (engine_version + self.max_staleness + 1) * self.batch_size
+            if self.train_version - engine_version > self.max_staleness:
+                return False
+            cap = (engine_version - base_version + self.max_staleness + 1) * self.batch_size
             cap += self._extra_capacity
             return self._num_started + self.group_size <= cap
 
@@ -95,14 +115,16 @@ class StalenessBuffer:
             self._num_started += self.group_size
 
     def mark_discarded(self) -> None:
-        """A started group will never be put (fault, failure, stale abort): free its capacity."""
+        """A started group will never be put (engine fault, episode failure): free its capacity."""
         with self._cond:
             self._num_started -= self.group_size
             self._cond.notify_all()
 
-    def is_stale(self, min_policy_version: int) -> bool:
-        """True if data with this oldest version can no longer be trained (abort it early)."""
-        return self.train_version - min_policy_version > self.max_staleness
+    def is_stale(self, max_policy_version: int) -> bool:
+        """True if a token of version `max_policy_version` (and every older one) is beyond the
+        bound at the current train version: data whose newest token is this old has nothing
+        left to train."""
+        return self.train_version - max_policy_version > self.max_staleness
 
     # ----------------------------------------------------------------- producer side
     def put_group(self, group: Group) -> None:
@@ -135,8 +157,8 @@ class StalenessBuffer:
         return stale
 
     def _drop_stale(self) -> list[Group]:  # holds the lock
-        def fresh(g: Group) -> bool:
-            return not self.is_stale(min(t.min_policy_version for t in g))
+        def fresh(g: Group) -> bool:  # at least one token within the bound
+            return not self.is_stale(max(t.max_policy_version for t in g))
 
         stale = [g for g in (self._ready or []) + self._filling if not fresh(g)]
         if stale:
@@ -158,7 +180,8 @@ class StalenessBuffer:
 
         Args:
             train_version: version of the weights the trainer will compute this batch's loss
-                with; every returned trajectory has train_version - min(version) <= eta.
+                with; every returned group has a token with train_version - version <= eta
+                (older tokens are the trainer's to mask: `stale_token_mask`).
             timeout: seconds to wait (None: forever). Raises TimeoutError when exceeded.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -190,6 +213,9 @@ class StalenessBuffer:
                 self.stats["num_batches"] += 1
                 self.stats["last_lag_mean"] = sum(lags) / len(lags)
                 self.stats["last_lag_max"] = max(lags)
+                self.stats["last_stale_token_fraction"] = _stale_fraction(
+                    trajs, self.train_version, self.max_staleness
+                )
                 return trajs
         finally:
             self._report(stale)
@@ -202,3 +228,11 @@ class StalenessBuffer:
     def num_started(self) -> int:
         with self._cond:
             return self._num_started
+
+
+def _stale_fraction(trajs: list[Trajectory], train_version: int, max_staleness: int) -> float:
+    """Fraction of the action tokens of `trajs` older than the bound (what the trainer masks)."""
+    versions = torch.tensor([v for t in trajs for n in t.nodes for v in n.policy_versions])
+    if versions.numel() == 0:
+        return 0.0
+    return float(stale_token_mask(versions, train_version, max_staleness).double().mean())

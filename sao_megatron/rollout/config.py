@@ -41,12 +41,14 @@ class RolloutConfig:
     the folder for engine logs and weight slots (``run_dir``; in a job run_dir/rollout) and the
     group size (the algorithm's, ``algorithm.grpo.group_size``).
     Off-policy control and batching:
-        max_staleness: no trained trajectory has train_version - min(policy_version) above this
-            (0 = synchronous, strictly on-policy).
+        max_staleness: the off-policy bound, in policy versions. Episodes start only while the
+            engines are within it of the trained version; no action token with
+            train_version - policy_version above it enters the policy loss (the trainer drops
+            it; episodes in flight are never aborted). 0 = synchronous, strictly on-policy.
         trajectories_per_batch: trajectories in one training batch (a multiple of the
             algorithm's group size, `RolloutManager(group_size=...)`).
         max_concurrent_episodes: episodes in flight at once across all engines.
-        max_episode_attempts: times one task is attempted (engine faults, staleness aborts)
+        max_episode_attempts: times one task is attempted (engine faults)
             before it is given up and reported.
         affinity_overload_factor: an episode stays on its engine (prefix cache) unless that
             engine's outstanding tokens exceed this factor x (least-loaded engine's + one

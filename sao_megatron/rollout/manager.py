@@ -10,8 +10,10 @@ The trainer's whole view of the rollout (all methods are called from the trainer
 
 Inside, an asyncio event loop on a background thread keeps up to ``max_concurrent_episodes``
 episode groups in flight (one trajectory per task for SAO, ``group_size`` for GRPO), admits
-new ones by the AReaL capacity rule (`StalenessBuffer.can_start`), routes every request through
-the `Router`, and streams each finished group into the `StalenessBuffer` at once.
+new ones while the engines are within the staleness bound and the AReaL capacity rule holds
+(`StalenessBuffer.can_start`), routes every request through the `Router`, and streams each
+finished group into the `StalenessBuffer` at once. Episodes in flight are never aborted for
+staleness (docs/ROLLOUT.md, "Bounded staleness").
 
 Faults: a request that fails with `EngineError` (connection refused/reset, HTTP 5xx, timeout after
 ``request_timeout_s``, aborted) marks its engine unhealthy and fails the whole group, whose task is
@@ -19,7 +21,10 @@ requeued (front of the queue, same task_id and seed, a new attempt; nothing of t
 reaches the buffer, so no task is lost or counted twice). A recovery task then restarts a dead
 local engine (up to ``max_engine_restarts``; it reloads the latest published weights and version)
 or waits for a remote one to answer /health, or drops it. `EpisodeError` (environment exception,
-malformed reply) drops that group with a logged error; the run goes on.
+malformed reply) drops that group with a logged error; the run goes on — unless
+`MAX_CONSECUTIVE_FAILURES` groups in a row fail with no trajectory admitted in between: then the
+rollout stops and `get_batch` raises at once with the first error of that streak (a broken
+environment, tokenizer or model fails every episode; retrying forever only floods the log).
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from sao_megatron.rollout.buffer import Group, StalenessBuffer
 from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.engine import EngineClient, EngineError, EngineProcess, Generation
 from sao_megatron.rollout.router import Router
-from sao_megatron.rollout.runner import EpisodeError, StaleEpisodeError, run_episode
+from sao_megatron.rollout.runner import EpisodeError, run_episode, sample_action, stop_token_ids
 from sao_megatron.rollout.weight_sync import (
     EngineSyncReport,
     WeightPublisher,
@@ -49,6 +54,13 @@ from sao_megatron.rollout.weight_sync import (
 )
 
 log = logging.getLogger("sao_megatron.rollout")
+
+#: Groups failing in a row (dropped: environment/reply errors, or engine faults past
+#: rollout.max_episode_attempts) with no trajectory admitted in between before the rollout
+#: gives up. 16 is above any plausible run of independent bad luck (a healthy run fails a few
+#: percent of episodes at most, interleaved with successes) and small enough to stop within
+#: the first wave of episodes (max_concurrent_episodes defaults to 16).
+MAX_CONSECUTIVE_FAILURES = 16
 
 
 @dataclass
@@ -122,7 +134,7 @@ class RolloutManager:
         self.config = config
         self.run_dir, self.model_path, self.group_size = Path(run_dir), model_path, group_size
         self.formatter = formatter
-        self.stop_token_ids = sorted(set(formatter.stop_token_ids) | set(config.stop_token_ids))
+        self.stop_token_ids = stop_token_ids(formatter, config)
         self._tasks: Iterator[Task] = iter(tasks)
         self._requeued: collections.deque[tuple[Task, int]] = collections.deque()
         self._client_factory = client_factory
@@ -148,6 +160,7 @@ class RolloutManager:
         self._closing = False
         self._fatal: BaseException | None = None
         self._drained_since: float | None = None  # task source exhausted, nothing in flight
+        self._failure_streak: list[BaseException] = []  # failed groups since the last success
         self._t0 = time.monotonic()
         self.counters = collections.Counter()
         self.attempts: collections.Counter = collections.Counter()  # task_id -> attempts started
@@ -225,13 +238,16 @@ class RolloutManager:
 
     # ================================================================ trainer API
     def get_batch(self, train_version: int, timeout: float | None = None) -> list[Trajectory]:
-        """Block until `trajectories_per_batch` trajectories with staleness <= max_staleness
-        relative to `train_version` are ready; return them (GRPO groups contiguous).
+        """Block until `trajectories_per_batch` trajectories are ready whose newest token is
+        within max_staleness of `train_version`; return them (GRPO groups contiguous). Their
+        older tokens are the trainer's to mask (`sao_megatron.rollout.staleness`).
 
-        Raises TimeoutError after `timeout` s; RuntimeError if the rollout failed (no engine
-        left) or a finite task source ran out before the batch was full.
+        Raises TimeoutError after `timeout` s (the message gives the time waited and the
+        rollout's counts); RuntimeError if the rollout failed (no engine left, every episode
+        failing) or a finite task source ran out before the batch was full.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        t0 = time.monotonic()
+        deadline = None if timeout is None else t0 + timeout
         while True:
             if self._fatal is not None:
                 raise RuntimeError(f"rollout failed: {self._fatal}") from self._fatal
@@ -248,12 +264,28 @@ class RolloutManager:
                         f"{self.config.trajectories_per_batch}"
                     ) from None
                 if left is not None and left <= step:
-                    raise
+                    raise TimeoutError(
+                        f"no batch of {self.config.trajectories_per_batch} trajectories at "
+                        f"train_version={train_version} after {time.monotonic() - t0:.1f} s: "
+                        f"{self._progress()}"
+                    ) from None
                 continue
             for t in batch:
                 self._task_by_id.pop(t.task_id, None)
             self._poke()
             return batch
+
+    def _progress(self) -> str:
+        """One line of rollout counts for error messages."""
+        c = self.counters
+        healthy = len(self.router.healthy_indices()) if self.router else 0
+        return (
+            f"{self.buffer.num_ready()} admissible ready, {self._inflight} episodes in flight, "
+            f"{c['trajectories']} trajectories finished, {c['failed_groups']} groups failed, "
+            f"{c['requeued_engine']} requeued after engine faults, {c['requeued_stale']} "
+            f"requeued as stale, {c['engine_failures']} engine failures, {healthy}/"
+            f"{len(self.urls)} engines healthy, engine version {self._engine_version()}"
+        )
 
     def publish_weights(self, weights: WeightSource, version: int) -> SyncResult:
         """Publish HF-named `weights` as `version` and sync every healthy engine to it.
@@ -335,8 +367,10 @@ class RolloutManager:
         exhausted = False
         while not self._closing:
             self._wake.clear()
-            while self._inflight + g <= max(limit, g) and self.buffer.can_start(
-                self._engine_version() - self.initial_version  # AReaL counts from this run's start
+            while (
+                self._fatal is None
+                and self._inflight + g <= max(limit, g)
+                and self.buffer.can_start(self._engine_version(), base_version=self.initial_version)
             ):
                 item = self._next_task()
                 if item is None:
@@ -369,14 +403,14 @@ class RolloutManager:
             if not errors:
                 self.buffer.put_group(list(results))
                 self.counters["trajectories"] += g
+                self._failure_streak.clear()
                 return
             self.buffer.mark_discarded()
-            retry = [e for e in errors if isinstance(e, EngineError | StaleEpisodeError)]
+            retry = [e for e in errors if isinstance(e, EngineError)]
             if retry and attempt + 1 < self.config.max_episode_attempts:
-                kind = "stale" if isinstance(retry[0], StaleEpisodeError) else "engine"
-                self.counters[f"requeued_{kind}"] += 1
+                self.counters["requeued_engine"] += 1
                 log.warning(
-                    "task %s attempt %d requeued (%s): %s", task.task_id, attempt, kind, retry[0]
+                    "task %s attempt %d requeued (engine): %s", task.task_id, attempt, retry[0]
                 )
                 self._requeued.appendleft((task, attempt + 1))
             else:
@@ -389,8 +423,18 @@ class RolloutManager:
                     type(bad[0]).__name__,
                     bad[0],
                 )
-                if not isinstance(bad[0], EpisodeError | EngineError | StaleEpisodeError):
+                if not isinstance(bad[0], EpisodeError | EngineError):
                     raise bad[0]
+                self._failure_streak.append(bad[0])
+                if len(self._failure_streak) == MAX_CONSECUTIVE_FAILURES:
+                    first = self._failure_streak[0]
+                    self._fatal = RuntimeError(
+                        f"{len(self._failure_streak)} episode groups in a row failed with no "
+                        f"trajectory admitted in between; the first error: "
+                        f"{type(first).__name__}: {first}"
+                    )
+                    self._fatal.__cause__ = first
+                    log.error("rollout stopped: %s", self._fatal)
         except Exception as e:  # a bug: stop the run loudly rather than hang the trainer
             self._fatal = e
             log.exception("rollout loop failed")
@@ -418,7 +462,6 @@ class RolloutManager:
                 generate=generate,
                 config=self.config,
                 group_index=group_index,
-                is_stale=self.buffer.is_stale,
                 episode_id=episode_id,
             )
         finally:
@@ -442,18 +485,16 @@ class RolloutManager:
         gen: Generation | None = None
         try:
             gen = await asyncio.wait_for(
-                client.generate(
+                sample_action(
+                    client,
                     prompt,
                     max_tokens=max_tokens,
-                    temperature=self.config.temperature,
-                    top_p=self.config.top_p,
-                    stop_token_ids=self.stop_token_ids,
                     seed=seed,
+                    config=self.config,
+                    stop_ids=self.stop_token_ids,
                 ),
                 timeout=self.config.request_timeout_s,
             )
-            if gen.finish_reason == "abort":
-                raise EngineError(f"{client.name} aborted the request")
         except (EngineError, TimeoutError) as e:
             self._on_engine_failure(i, e)
             raise EngineError(f"{client.name}: {type(e).__name__}: {e}") from e
@@ -526,7 +567,8 @@ class RolloutManager:
         return True
 
     def _on_stale_group(self, group: Group) -> None:
-        """Buffer callback (any thread): requeue the task of a group too old to train."""
+        """Buffer callback (any thread): requeue the task of a group with no token left within
+        the staleness bound (a fresh attempt, so the task mix stays unbiased)."""
         t = group[0]
         self.counters["requeued_stale"] += 1
         task = self._task_by_id[t.task_id]

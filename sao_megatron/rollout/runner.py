@@ -8,12 +8,20 @@ re-tokenised — decodes it only to hand the text to the environment, and record
 action token, and the step's reward.
 
 An episode ends when the environment says done (``terminated``) or truncates, when the turn budget
-``min(env.max_steps, rollout.max_turns)`` is spent, or when the prompt leaves no room to generate
-within ``max_model_len`` (those three: ``truncated``).
+``min(env.max_steps, rollout.max_turns)`` is spent, when the prompt leaves no room to generate
+within ``max_model_len``, or when an action is cut by its token budget (the engine's
+``finish_reason == "length"``: ``max_tokens_per_action``, or the room left in
+``max_model_len``). Those four are ``truncated``: GAE bootstraps from V of the last state. A cut
+action is incomplete, so it is *not* passed to the environment: it is recorded (its tokens were
+sampled and are trained) with reward 0 and ``ActionNode.truncated``, and the episode ends there.
+
+Episodes are never aborted for staleness: a long episode keeps generating across weight updates
+(every token records its version; the trainer masks the ones older than the bound,
+`sao_megatron.rollout.staleness`).
 
 Errors: `EpisodeError` (the environment raised; empty or garbled engine reply) ends this episode
-only; `EngineError` (engine down or hung) and `StaleEpisodeError` propagate so the manager
-requeues the task; anything else is a bug and propagates.
+only; `EngineError` (engine down or hung) propagates so the manager requeues the task; anything
+else is a bug and propagates.
 """
 
 from __future__ import annotations
@@ -24,8 +32,9 @@ from typing import TYPE_CHECKING
 
 from sao_megatron.data.episode import EpisodeFormatter
 from sao_megatron.data.trajectory import Trajectory
+from sao_megatron.envs.latency import astep
 from sao_megatron.rollout.config import RolloutConfig
-from sao_megatron.rollout.engine import Generation, MalformedReplyError
+from sao_megatron.rollout.engine import EngineClient, EngineError, Generation, MalformedReplyError
 
 if TYPE_CHECKING:  # importing sao_megatron.envs imports every built-in environment
     from sao_megatron.envs.base import Environment
@@ -35,12 +44,42 @@ class EpisodeError(RuntimeError):
     """The episode cannot continue (environment exception, malformed engine reply)."""
 
 
-class StaleEpisodeError(RuntimeError):
-    """The episode's oldest token is already too old to be trained; the manager requeues it."""
-
-
 #: generate(episode_id, prompt_ids, max_tokens, seed) -> Generation
 GenerateFn = Callable[[str, list[int], int, "int | None"], Awaitable[Generation]]
+
+
+def stop_token_ids(formatter: EpisodeFormatter, config: RolloutConfig) -> list[int]:
+    """Token ids that end an action: the episode format's (end-of-action marker, eos) and
+    `rollout.stop_token_ids`, sorted."""
+    return sorted(set(formatter.stop_token_ids) | set(config.stop_token_ids))
+
+
+async def sample_action(
+    client: EngineClient,
+    prompt_ids: list[int],
+    *,
+    max_tokens: int,
+    seed: int | None,
+    config: RolloutConfig,
+    stop_ids: list[int],
+) -> Generation:
+    """One action request with the run's sampling settings (temperature, top_p), the one place
+    both training rollouts (`RolloutManager`) and evaluation build it.
+
+    Raises EngineError when the engine aborted the request (``finish_reason == "abort"``: it
+    was stopped or restarted), besides the client's own EngineError/MalformedReplyError.
+    """
+    gen = await client.generate(
+        prompt_ids,
+        max_tokens=max_tokens,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        stop_token_ids=stop_ids,
+        seed=seed,
+    )
+    if gen.finish_reason == "abort":
+        raise EngineError(f"{client.name} aborted the request")
+    return gen
 
 
 def request_seed(base: int | None, task_id: str, group_index: int, turn: int) -> int | None:
@@ -66,7 +105,6 @@ async def run_episode(
     generate: GenerateFn,
     config: RolloutConfig,
     group_index: int = 0,
-    is_stale: Callable[[int], bool] = lambda version: False,
     episode_id: str | None = None,
 ) -> Trajectory:
     """Run one episode of `env` (``env.reset(seed)``) and return its validated trajectory.
@@ -74,9 +112,8 @@ async def run_episode(
     Args:
         formatter: the episode format (prompt layout, context mode, stop tokens).
         generate: sends one request to an engine (the manager routes it).
-        is_stale: called with the oldest policy version so far after every action; True aborts.
-    Raises EpisodeError (the caller logs and drops the episode), StaleEpisodeError or EngineError
-    (the caller requeues the task).
+    Raises EpisodeError (the caller logs and drops the episode) or EngineError (the caller
+    requeues the task).
     """
     episode_id = episode_id or f"{task_id}#{group_index}"
     try:
@@ -86,7 +123,7 @@ async def run_episode(
     terminated = truncated = False
     info: dict = {"env": getattr(env, "name", type(env).__name__), "seed": seed}
     max_turns = min(int(getattr(env, "max_steps", config.max_turns)), config.max_turns)
-    min_version: int | None = None
+    cut = False
     for turn in range(max_turns):
         prompt = builder.next_context_ids()
         room = config.max_model_len - len(prompt)
@@ -111,20 +148,21 @@ async def run_episode(
                 f"{task_id}: cannot decode the sampled ids ({type(e).__name__}: {e}); is the "
                 "engine model's vocab_size larger than the tokenizer's?"
             ) from e
-        try:
-            result = env.step(action_text)
+        logprobs = [min(x, 0.0) for x in gen.logprobs]  # clamp fp rounding above 0
+        if gen.finish_reason == "length":  # cut by the token budget: an incomplete action
+            builder.add_action(gen.token_ids, logprobs, gen.policy_versions, 0.0)
+            cut, truncated = True, True
+            info["truncated_by"] = (
+                "max_tokens_per_action"
+                if max_tokens == config.max_tokens_per_action
+                else "max_model_len"
+            )
+            break
+        try:  # an async env's astep, or its blocking step in a worker thread: other episodes go on
+            result = await astep(env, action_text)
         except Exception as e:
             raise EpisodeError(f"{task_id}: env.step raised {type(e).__name__}: {e}") from e
-        builder.add_action(
-            gen.token_ids,
-            [min(x, 0.0) for x in gen.logprobs],  # clamp fp rounding above 0
-            gen.policy_versions,
-            float(result.reward),
-        )
-        oldest = min(gen.policy_versions)
-        min_version = oldest if min_version is None else min(min_version, oldest)
-        if is_stale(min_version):
-            raise StaleEpisodeError(f"{task_id}: oldest token exceeds rollout.max_staleness")
+        builder.add_action(gen.token_ids, logprobs, gen.policy_versions, float(result.reward))
         info.update(_scalar_info(result.info or {}))
         if result.done:
             terminated = True
@@ -148,6 +186,7 @@ async def run_episode(
         group_index=group_index,
         info=info,
     )
+    traj.nodes[-1].truncated = cut
     try:
         traj.validate()
     except ValueError as e:

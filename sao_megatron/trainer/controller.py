@@ -288,7 +288,13 @@ class Controller:
         if self.algorithm.needs_value_model:
             value = runtime.build_value_state(job, p, policy.unwrapped)
         step_fn = RLStep(
-            self.algorithm, p, policy, value, StepConfig(micro_batch_size=job.rl.micro_batch_size)
+            self.algorithm,
+            p,
+            policy,
+            value,
+            StepConfig(
+                micro_batch_size=job.rl.micro_batch_size, max_staleness=job.rollout.max_staleness
+            ),
         )
         states = {"policy": policy} | ({"value": value} if value else {})
         mgr, run, self.tasks = self._ckpt("rl"), RLRunState(), TaskStream(job.tasks)

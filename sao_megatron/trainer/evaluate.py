@@ -15,9 +15,10 @@ import random
 
 from sao_megatron.data.episode import EpisodeFormatter
 from sao_megatron.envs.base import EnvSpec
+from sao_megatron.envs.hanoi import move_error_rates
 from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.engine import EngineClient
-from sao_megatron.rollout.runner import EpisodeError, run_episode
+from sao_megatron.rollout.runner import EpisodeError, run_episode, sample_action, stop_token_ids
 
 log = logging.getLogger("sao_megatron.eval")
 
@@ -54,19 +55,19 @@ def evaluate(
     async def main() -> dict[str, float]:
         clients = [EngineClient(u, f"eval{i}", cfg.request_timeout_s) for i, u in enumerate(urls)]
         sem = asyncio.Semaphore(max_concurrency)
-        stop_ids = sorted(set(formatter.stop_token_ids) | set(cfg.stop_token_ids))
+        stop_ids = stop_token_ids(formatter, cfg)
 
         async def one(k: int, spec: EnvSpec, seed: int):
             client = clients[k % len(clients)]
 
             async def generate(episode_id, prompt_ids, max_tokens, req_seed):
-                return await client.generate(
+                return await sample_action(
+                    client,
                     prompt_ids,
                     max_tokens=max_tokens,
-                    temperature=cfg.temperature,
-                    top_p=cfg.top_p,
-                    stop_token_ids=stop_ids,
                     seed=req_seed,
+                    config=cfg,
+                    stop_ids=stop_ids,
                 )
 
             async with sem:
@@ -115,6 +116,8 @@ def _summarise(results, names, threshold) -> dict[str, float]:
             out[f"eval/{name}/mean_progress"] = mean
             var = sum((x - mean) ** 2 for x in full) / max(len(full) - 1, 1)
             out[f"eval/{name}/progress_se"] = math.sqrt(var / len(full))
+        finals = [t.info for t in trajs if t is not None]  # the last step's info: episode totals
+        out |= {f"eval/{name}/{k}": v for k, v in move_error_rates(finals).items()}
         rate = sum(solved) / max(len(trajs), 1)
         rates.append(rate)
         out[f"eval/{name}/success_rate"] = rate

@@ -40,6 +40,7 @@ from sao_megatron.models.forward import (
 )
 from sao_megatron.optim.builder import TrainState
 from sao_megatron.parallel.state import ParallelState
+from sao_megatron.rollout.staleness import stale_token_mask
 
 #: off_policy_metrics() names -> logged names (sao_megatron.trainer.metrics.STANDARD_METRICS)
 DEVIATION_NAMES = {
@@ -94,6 +95,8 @@ def local_batch(batch: TrainBatch, rows: torch.Tensor, trajs: torch.Tensor) -> T
         task_ids=[batch.task_ids[i] for i in trajs.tolist()],
         group_index=batch.group_index[trajs],
         temperature=batch.temperature,
+        top_p=batch.top_p,
+        top_k=batch.top_k,
     )
 
 
@@ -102,13 +105,20 @@ class StepConfig:
     """Execution settings of a train step (not algorithm math).
 
     micro_batch_size: rows per micro-batch in forward/backward passes (rl.micro_batch_size).
+    max_staleness: per-token off-policy bound (rollout.max_staleness): action tokens sampled more
+        than this many versions before the trained one leave the policy loss (advantage 0; they
+        stay in the token-mean denominator, like DIS-band drops) and the deviation metrics.
+        None: no per-token bound.
     """
 
     micro_batch_size: int = 4
+    max_staleness: int | None = None
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
             raise ValueError(f"rl.micro_batch_size={self.micro_batch_size}: must be >= 1")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"rollout.max_staleness={self.max_staleness}: must be >= 0")
 
 
 @dataclass(kw_only=True)
@@ -125,6 +135,8 @@ class StepState:
     old_logprobs: [R, T-1] float32 l_old at prediction positions (OLD_LOGPROBS).
     advantages: [R, T] float32 at token positions (ADVANTAGES).
     logprobs, entropy: [R, T-1] float32 of the policy update's forward (POLICY_UPDATE).
+    stale: [R, T-1] bool, action tokens beyond the per-token staleness bound (prediction
+        positions; all False without a bound).
     metrics: what the phases measured (returned by `RLStep.finish`).
     """
 
@@ -142,6 +154,7 @@ class StepState:
     advantages: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+    stale: torch.Tensor | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -221,14 +234,25 @@ class RLStep:
         b, n_real = self._shard(batch)
         n_tokens = self._dp_sum(int(_pred(b.action_mask).sum()))
         n_seqs = self._dp_sum(int((b.action_mask.sum(1) > 0).sum()))
+        versions = _pred(b.policy_versions)
+        if self.cfg.max_staleness is None:
+            stale = torch.zeros(versions.shape, dtype=torch.bool)
+        else:
+            stale = stale_token_mask(versions, train_version, self.cfg.max_staleness)
         state = StepState(
             batch=b,
             num_real_rows=n_real,
             train_version=train_version,
             num_tokens=n_tokens,
             num_sequences=n_seqs,
+            stale=stale,
         )
-        state.metrics |= {"batch/num_action_tokens": n_tokens, "batch/num_rows": n_seqs}
+        n_stale = self._dp_sum(int((stale & _pred(b.action_mask)).sum()))
+        state.metrics |= {
+            "batch/num_action_tokens": n_tokens,
+            "batch/num_rows": n_seqs,
+            "deviation/stale_token_fraction": n_stale / max(n_tokens, 1.0),
+        }
         return state
 
     def run(self, phase: Phase, state: StepState) -> None:
@@ -242,7 +266,7 @@ class RLStep:
         """The step's metrics, with the deviation between trainer and behaviour policy."""
         metrics, b = state.metrics, state.batch
         if state.logprobs is not None:
-            mask = _pred(b.action_mask)
+            mask = _pred(b.action_mask) & ~state.stale  # the tokens the policy loss trained on
             imp = self.config.importance
             dev = off_policy_metrics(
                 state.logprobs,
@@ -437,6 +461,8 @@ class RLStep:
             self._inputs(b, {}),
             b.temperature,
             self.cfg.micro_batch_size,
+            top_p=b.top_p,
+            top_k=b.top_k,
         )
         state.old_logprobs = old.cpu()
 
@@ -463,14 +489,16 @@ class RLStep:
                 num_sequences=n_seqs,
             )
             if entropy_coef:
-                ent = torch.where(e["action_mask"], outputs["entropy"], 0.0).sum() / n_tokens
+                fresh = e["action_mask"] & ~e["stale"]
+                ent = torch.where(fresh, outputs["entropy"], 0.0).sum() / n_tokens
                 loss = loss - entropy_coef * ent
             return loss, {}
 
         extras = {
             "behaviour_logprobs": _pred(b.behaviour_logprobs),
-            "advantages": _pred(state.advantages),
+            "advantages": torch.where(state.stale, 0.0, _pred(state.advantages)),
             "action_mask": _pred(b.action_mask),
+            "stale": state.stale,
         }
         if state.old_logprobs is not None:
             extras["old_logprobs"] = state.old_logprobs
@@ -483,6 +511,8 @@ class RLStep:
             loss_fn=loss_fn,
             micro_batch_size=self.cfg.micro_batch_size,
             temperature=b.temperature,
+            top_p=b.top_p,
+            top_k=b.top_k,
         )
         ok, grad_norm = self.policy.step()
         if recs:

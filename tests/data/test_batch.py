@@ -76,3 +76,30 @@ def test_micro_batches():
     mbs = batch.micro_batches(3)
     assert [mb["token_ids"].shape[0] for mb in mbs] == [3, 1]
     assert sum(int(mb["action_mask"].sum()) for mb in mbs) == batch.num_action_tokens
+
+
+def test_pack_carries_top_p_and_top_k_and_rejects_mixed_ones():
+    """Issue 19.2: the trainer must score at the engine's top_p/top_k, so the batch carries
+    them like the temperature."""
+    trajs = _trajs()
+    for t in trajs:
+        t.top_p, t.top_k = 0.7, 20
+    b = pack_trajectories(trajs, pad_token_id=0, max_seq_len=64)
+    assert (b.temperature, b.top_p, b.top_k) == (1.0, 0.7, 20)
+    assert pack_trajectories(_trajs(), pad_token_id=0, max_seq_len=64).top_p == 1.0
+    trajs[1].top_p = 0.9
+    with pytest.raises(ValueError, match=r"top_p \[0.7, 0.9\].*rollout.top_p"):
+        pack_trajectories(trajs, pad_token_id=0, max_seq_len=64)
+    trajs[1].top_p, trajs[1].top_k = 0.7, 5
+    with pytest.raises(ValueError, match="top_k"):
+        pack_trajectories(trajs, pad_token_id=0, max_seq_len=64)
+
+
+def test_trajectory_validates_top_p_and_top_k():
+    t = _trajs()[0]
+    t.top_p = 0.0
+    with pytest.raises(ValueError, match=r"Trajectory.top_p=0.0"):
+        t.validate()
+    t.top_p, t.top_k = 1.0, -1
+    with pytest.raises(ValueError, match=r"Trajectory.top_k=-1"):
+        t.validate()

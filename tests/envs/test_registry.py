@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from sao_megatron.envs import (
@@ -11,6 +13,8 @@ from sao_megatron.envs import (
 )
 from sao_megatron.envs.base import _REGISTRY
 
+REPO = Path(__file__).resolve().parents[2]
+
 
 def test_builtins_registered_and_satisfy_protocols():
     names = registered_envs()
@@ -22,8 +26,41 @@ def test_builtins_registered_and_satisfy_protocols():
 
 
 def test_unknown_name_lists_known_ones():
-    with pytest.raises(ValueError, match="unknown environment 'hanio'.*hanoi"):
+    with pytest.raises(ValueError, match="'hanio' is not a registered environment.*hanoi"):
         make_env("hanio")
+
+
+@pytest.mark.parametrize(
+    ("override", "typo", "suggestion"),
+    [
+        ("tasks.train=[{name: hanoii}]", "hanoii", "hanoi"),
+        ("tasks.eval=[{name: chain_sun}]", "chain_sun", "chain_sum"),
+        ("demonstrations.envs=[{name: basic_arithmetc}]", "basic_arithmetc", "basic_arithmetic"),
+    ],
+)
+def test_misspelt_env_name_fails_when_the_config_loads(override, typo, suggestion):
+    """Issue 19.5: found at config load (before SFT and engine start), with a suggestion."""
+    from sao_megatron.configs import load_config
+    from sao_megatron.trainer.job import JobConfig
+
+    msg = rf"EnvSpec.name.*={typo!r} is not a registered environment; did you mean {suggestion!r}"
+    with pytest.raises(ValueError, match=msg):
+        load_config(JobConfig, REPO / "examples/configs/quickstart.yaml", [override])
+
+
+def test_unknown_name_without_a_close_match_and_optional_envs():
+    with pytest.raises(ValueError) as e:
+        EnvSpec(name="zzzzzz")
+    assert "did you mean" not in str(e.value) and "registered: [" in str(e.value)
+    from sao_megatron.envs.base import OPTIONAL_ENVS, check_env_name
+
+    assert OPTIONAL_ENVS == {"babyai": "minigrid"}
+    saved = _REGISTRY.pop("babyai")
+    try:
+        with pytest.raises(ValueError, match="pip install minigrid"):
+            check_env_name("babyai")
+    finally:
+        _REGISTRY["babyai"] = saved
 
 
 def test_register_your_own_env_and_build_from_spec():

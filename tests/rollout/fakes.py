@@ -139,3 +139,36 @@ class FakeEngineClient:
 
     async def aclose(self) -> None:
         pass
+
+
+class FixedLengthEnv(CountEnv):
+    """A `CountEnv` whose every episode lasts exactly `steps` actions (seed-independent)."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__(max_len=steps)
+        self.fixed_steps = steps
+        self.max_steps = max(50, steps)
+
+    def reset(self, seed: int) -> str:
+        super().reset(seed)
+        self.steps = self.fixed_steps
+        return f"count {self.steps} steps"
+
+
+def short_long_tasks(num_tasks: int, long_every: int, long_steps: int, short_steps: int = 1):
+    """Tasks "short/<i>" (`short_steps` actions) with every `long_every`-th task "long/<i>"
+    (`long_steps` actions); deterministic order, seeds 0, 1, ..."""
+    from sao_megatron.rollout.manager import Task
+
+    out = []
+    for i in range(num_tasks):
+        long = i % long_every == long_every - 1
+        steps = long_steps if long else short_steps
+        out.append(
+            Task(
+                task_id=f"{'long' if long else 'short'}/{i}",
+                make_env=lambda steps=steps: FixedLengthEnv(steps),
+                seed=i,
+            )
+        )
+    return out

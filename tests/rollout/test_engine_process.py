@@ -52,7 +52,7 @@ def make_cfg(tmp_path) -> RolloutConfig:
 def test_stop_kills_the_whole_process_group(tmp_path):
     p = SleeperProcess(make_cfg(tmp_path), 0, tmp_path, tmp_path / "run")
     p.start()
-    assert wait_for(lambda: len(group_members(p.proc.pid)) == 2)  # server + its child
+    assert wait_for(lambda: len(group_members(p.proc.pid)) == 3)  # supervisor, server, child
     p.stop()
     assert group_members(p.proc.pid) == []
     assert "=== start 0" in p.log_path.read_text()
@@ -70,31 +70,97 @@ def test_wait_ready_reports_an_engine_that_exits(tmp_path):
     p.stop()
 
 
+# A server that, like vLLM during start-up, ignores SIGTERM (the parent-death signal it used to
+# get) and has a child of its own.
+STUBBORN = (
+    "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)']); time.sleep(300)"
+)
+
+
+class StubbornProcess(EngineProcess):
+    stop_grace_s = 1.0
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", STUBBORN]
+
+
+def _launcher_script(tmp_path, cls: str, then: str) -> str:
+    root = str(__import__("pathlib").Path(__file__).resolve().parents[2])
+    return textwrap.dedent(f"""
+        import os, sys, time
+        sys.path.insert(0, {root!r})
+        from pathlib import Path
+        from tests.rollout.test_engine_process import {cls}, make_cfg, group_members
+        t = Path({str(tmp_path)!r})
+        p = {cls}(make_cfg(t), 0, t, t / "run")
+        p.start()
+        deadline = time.monotonic() + 30
+        while len(group_members(p.proc.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)  # supervisor, server and the server's child are up
+        print(p.proc.pid, flush=True)
+        {then}
+    """)
+
+
 @pytest.mark.parametrize("how", ["atexit", "crash"])
 def test_engine_dies_with_the_process_that_started_it(tmp_path, how):
     """Normal exit without stop(): atexit stops the group. Hard crash (os._exit, no atexit):
-    the parent-death signal stops the server."""
-    script = textwrap.dedent(f"""
-        import os, sys
-        sys.path.insert(0, {str(__import__("pathlib").Path(__file__).resolve().parents[2])!r})
-        from tests.rollout.test_engine_process import SleeperProcess, make_cfg
-        from pathlib import Path
-        p = SleeperProcess(make_cfg(Path({str(tmp_path)!r})), 0, Path({str(tmp_path)!r}),
-                           Path({str(tmp_path)!r}) / "run")
-        p.start()
-        print(p.proc.pid, flush=True)
-        import time; time.sleep(0.5)
-        if {how!r} == "crash":
-            os._exit(9)
-    """)
+    the supervisor sees its parent die and stops the whole group, children included."""
+    then = "os._exit(9)" if how == "crash" else "time.sleep(0.2)"
+    script = _launcher_script(tmp_path, "SleeperProcess", then)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     pgid = int(out.stdout.split()[0])
-    if how == "atexit":
-        assert wait_for(lambda: group_members(pgid) == [])
-    else:  # the server got SIGTERM; its own child is its business (vLLM's server reaps its)
-        assert wait_for(lambda: pgid not in group_members(pgid))
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)  # the stand-in's orphaned child
+    assert wait_for(lambda: group_members(pgid) == [], timeout=30)
+
+
+def test_launcher_killed_during_start_up_leaves_no_engine_process(tmp_path):
+    """Issue 19.6: the launcher is SIGKILLed while its engine is starting, and the engine
+    ignores SIGTERM: the supervisor escalates to SIGKILL and the whole group is gone (it used to
+    live on under PID 1)."""
+    script = _launcher_script(tmp_path, "StubbornProcess", "time.sleep(300)")
+    launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pgid = int(launcher.stdout.readline())
+        assert len(group_members(pgid)) == 3
+        launcher.kill()  # SIGKILL: no atexit, no cleanup of any kind
+        launcher.wait()
+        gone = wait_for(lambda: group_members(pgid) == [], timeout=30)
+    finally:
+        launcher.kill()
+        with contextlib.suppress(ProcessLookupError, NameError):
+            os.killpg(pgid, signal.SIGKILL)  # leave nothing behind if the test fails
+    assert gone
+    assert (
+        "parent died: stopping the engine group"
+        in (tmp_path / "run/engines/engine0.log").read_text()
+    )
+
+
+def test_stop_escalates_to_sigkill_for_an_engine_ignoring_sigterm(tmp_path):
+    p = StubbornProcess(make_cfg(tmp_path), 0, tmp_path, tmp_path / "run")
+    p.start()
+    assert wait_for(lambda: len(group_members(p.proc.pid)) == 3)
+    t0 = time.monotonic()
+    p.stop()
+    assert group_members(p.proc.pid) == [] and time.monotonic() - t0 < 15
+
+
+def test_supervisor_returns_the_server_exit_code_and_kills_its_leftovers(tmp_path):
+    """A server that exits (crash in start-up) leaves no child behind, and its exit code and
+    output reach wait_ready's error (through the supervisor)."""
+    p = SleeperProcess(make_cfg(tmp_path), 0, tmp_path, tmp_path / "run")
+    p.command = lambda: [
+        sys.executable,
+        "-c",
+        "import subprocess, sys; subprocess.Popen([sys.executable, '-c', "
+        "'import time; time.sleep(120)']); print('boom'); raise SystemExit(3)",
+    ]
+    p.start()
+    assert p.proc.wait(30) == 3
+    assert wait_for(lambda: group_members(p.proc.pid) == [])
+    p.stop()
 
 
 def reply(body) -> httpx.Response:
@@ -135,3 +201,16 @@ def test_parse_generation_versions_per_token_and_malformed_replies():
             parse_generation(reply(body), "e0")
     with pytest.raises(MalformedReplyError):
         parse_generation(httpx.Response(200, content=b"<html>"), "e0")
+
+
+def test_free_port_is_bindable_on_loopback():
+    import socket
+
+    from sao_megatron.net import free_port
+    from sao_megatron.rollout.engine import free_port as engine_free_port
+
+    assert engine_free_port is free_port  # one implementation
+    port = free_port()
+    assert 1024 <= port < 65536
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))

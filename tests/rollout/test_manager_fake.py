@@ -10,7 +10,13 @@ import torch
 
 from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.manager import RolloutManager, Task, round_robin_tasks
-from tests.rollout.fakes import CountEnv, FakeEngine, FakeEngineClient, make_formatter
+from tests.rollout.fakes import (
+    CountEnv,
+    FakeEngine,
+    FakeEngineClient,
+    make_formatter,
+    short_long_tasks,
+)
 
 
 @pytest.fixture
@@ -64,7 +70,7 @@ def test_batches_versions_and_weight_sync_protocol(fakes, tmp_path):
         seen_new = False
         for step in range(1, 4):
             batch = m.get_batch(train_version=step, timeout=10)
-            assert all(step - t.min_policy_version <= 1 for t in batch)
+            assert all(step - t.max_policy_version <= 1 for t in batch)
             seen_new |= any(t.max_policy_version == 1 for t in batch)
             m.publish_weights({"w": torch.full((2,), float(step))}, version=step + 1)
         assert seen_new
@@ -86,7 +92,7 @@ def test_dead_engine_loses_no_task_and_counts_none_twice(fakes, tmp_path):
         tmp_path, tasks=finite_tasks(n, max_len=4), max_concurrent_episodes=8, max_staleness=100
     ) as m:
         for e in fakes:
-            e.token_latency_s = 0.01
+            e.token_latency_s = 0.002
         got = m.get_batch(0, timeout=10)
         fakes[1].mode = "dead"  # dies with requests in flight; no restart possible (remote)
         for _ in range(n // 4 - 1):
@@ -143,7 +149,7 @@ def test_staleness_bound_holds_under_a_slow_trainer(fakes, tmp_path):
         lags = []
         for step in range(5):
             batch = m.get_batch(train_version=step, timeout=20)
-            lags += [step - t.min_policy_version for t in batch]
+            lags += [step - t.max_policy_version for t in batch]
             time.sleep(0.3)  # slow trainer: the rollout would run far ahead without the rule
             m.publish_weights({"w": torch.zeros(1)}, version=step + 1)
             started = m.buffer.num_started()
@@ -164,3 +170,83 @@ def test_resumed_run_starts_at_its_version_and_counts_capacity_from_there(fakes,
         assert m.buffer.num_started() == 4
     assert all(v == 7 for t in batch for n in t.nodes for v in n.policy_versions)
     assert all(e.version == "7" for e in fakes)
+
+
+def test_long_episodes_are_not_starved_by_the_staleness_bound(fakes, tmp_path):
+    """Issue 19.1: one task in 8 lasts 150 turns (~5 trainer steps). With max_staleness=1 such
+    episodes used to be aborted as stale, requeued and finally dropped, so only the short ones
+    were trained (0 long of 80 here). Now they keep generating across versions and are trained
+    in proportion to the mix (minus the ones still running at the end); every trained
+    trajectory's newest token is within the bound (older ones are the trainer's to mask)."""
+    tasks = short_long_tasks(4000, long_every=8, long_steps=150)
+    with make_manager(
+        tmp_path,
+        tasks=tasks,
+        max_model_len=8192,
+        max_staleness=1,
+        trajectories_per_batch=4,
+        max_concurrent_episodes=16,
+    ) as m:
+        for e in fakes:
+            e.token_latency_s = 0.002
+        trained = []
+        for step in range(20):
+            batch = m.get_batch(train_version=step, timeout=60)
+            assert all(step - t.max_policy_version <= 1 for t in batch)
+            trained += batch
+            time.sleep(0.25)  # slow trainer: a long episode outlives several versions
+            m.publish_weights({"w": torch.zeros(1)}, version=step + 1)
+        counters = dict(m.counters)
+    long = [t for t in trained if t.task_id.startswith("long/")]
+    assert counters.get("failed_groups", 0) == 0 and counters.get("requeued_stale", 0) == 0
+    assert len(long) >= 3, (len(long), len(trained), counters)  # 1/8 of 80 = 10 in the mix
+    assert all(len(t.nodes) == 150 and t.terminated for t in long)
+    assert max(t.max_policy_version - t.min_policy_version for t in long) >= 2
+
+
+class _BrokenEnv(CountEnv):
+    def reset(self, seed: int) -> str:
+        raise KeyError(f"no task for seed {seed}")
+
+
+def test_a_rollout_failing_every_episode_stops_with_the_first_error(fakes, tmp_path):
+    """Issue 19.5: instead of spinning (and flooding the log) until the trainer's timeout, the
+    rollout stops after MAX_CONSECUTIVE_FAILURES failed groups with no success in between."""
+    from sao_megatron.rollout.manager import MAX_CONSECUTIVE_FAILURES
+
+    tasks = (Task(task_id=f"b{i}", make_env=_BrokenEnv, seed=i) for i in range(10**6))
+    t0 = time.monotonic()
+    with make_manager(tmp_path, tasks=tasks) as m:
+        with pytest.raises(RuntimeError, match=r"16 episode groups in a row failed") as e:
+            m.get_batch(0, timeout=60)
+        assert MAX_CONSECUTIVE_FAILURES == 16
+        assert "the first error: EpisodeError: b0: env.reset(0) raised KeyError" in str(e.value)
+        assert MAX_CONSECUTIVE_FAILURES <= m.counters["failed_groups"] < 40
+    assert time.monotonic() - t0 < 20
+
+
+def test_occasional_failures_do_not_stop_the_rollout(fakes, tmp_path):
+    tasks = [
+        Task(task_id=f"t{i}", make_env=(_BrokenEnv if i % 2 else CountEnv), seed=i)
+        for i in range(200)
+    ]
+    with make_manager(tmp_path, tasks=tasks, max_staleness=100) as m:
+        for _ in range(5):
+            assert len(m.get_batch(0, timeout=30)) == 4
+        assert m.counters["failed_groups"] >= 16  # more failures than the limit, interleaved
+
+
+def test_get_batch_timeout_reports_the_time_waited_and_the_counts(fakes, tmp_path):
+    """Issue 19.5: the message used to give the last 1-second poll's time ("after 0.69 s")."""
+    with make_manager(tmp_path, request_timeout_s=60.0) as m:
+        for e in fakes:
+            e.mode = "hang"
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError) as e:
+            m.get_batch(0, timeout=2.5)
+        waited = time.monotonic() - t0
+    msg = str(e.value)
+    assert 2.4 <= waited < 4.0
+    assert "no batch of 4 trajectories at train_version=0 after 2.5 s" in msg
+    assert "0 admissible ready, 8 episodes in flight, 0 trajectories finished" in msg
+    assert "0 groups failed" in msg and "2/2 engines healthy" in msg

@@ -15,7 +15,8 @@ from sao_megatron.rollout.buffer import StalenessBuffer
 from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.engine import Generation, MalformedReplyError
 from sao_megatron.rollout.router import Router
-from sao_megatron.rollout.runner import EpisodeError, StaleEpisodeError, run_episode
+from sao_megatron.rollout.runner import EpisodeError, run_episode
+from sao_megatron.rollout.staleness import stale_token_fraction, stale_token_mask
 from sao_megatron.rollout.weight_sync import WeightPublisher
 from tests.rollout.fakes import CountEnv, make_formatter
 
@@ -96,22 +97,55 @@ def test_areal_capacity_rule():
     assert b.can_start(0)
 
 
-def test_staleness_filter_drops_and_reports_old_groups():
+def test_admission_needs_engines_within_the_bound_and_counts_from_the_base_version():
+    b = StalenessBuffer(trajectories_per_batch=2, max_staleness=1)
+    b.set_train_version(5)
+    assert not b.can_start(engine_version=3, base_version=3)  # engines 2 versions behind
+    assert b.can_start(engine_version=4, base_version=3)
+    for _ in range(4):  # (4 - 3 + 1 + 1) * 2 = 6 started allowed
+        b.mark_started()
+    assert b.can_start(4, base_version=3)
+    b.mark_started()
+    b.mark_started()
+    assert not b.can_start(4, base_version=3) and b.can_start(5, base_version=3)
+
+
+def test_hand_off_drops_only_groups_without_a_token_within_the_bound():
+    """Issue 19.1: a trajectory is kept while its newest token is within the bound (its older
+    tokens are masked by the trainer); only one with every token too old is dropped."""
     dropped = []
     b = StalenessBuffer(trajectories_per_batch=2, max_staleness=1, on_stale=dropped.append)
     for _ in range(4):
         b.mark_started()
     b.put_group([traj("old", [0, 0])])
-    b.put_group([traj("mixed", [2, 1])])
+    b.put_group([traj("long", [0, 1])])  # started 2 versions ago, still generating at v1
     b.put_group([traj("new", [2, 2])])
     batch = b.get_batch(train_version=2, timeout=1)
-    assert [t.task_id for t in batch] == ["mixed", "new"]
+    assert [t.task_id for t in batch] == ["long", "new"]
     assert [g[0].task_id for g in dropped] == ["old"]
-    assert all(2 - t.min_policy_version <= 1 for t in batch)
-    assert b.stats["last_lag_max"] == 1 and b.stats["num_stale_dropped"] == 1
-    assert b.num_started() == 3  # the stale one no longer counts as started
+    assert all(2 - t.max_policy_version <= 1 for t in batch)
+    assert b.stats["last_lag_max"] == 2 and b.stats["num_stale_dropped"] == 1
+    assert b.stats["last_stale_token_fraction"] == pytest.approx(1 / 4)  # the v0 token of "long"
+    assert b.num_started() == 3  # the dropped one no longer counts as started
     with pytest.raises(TimeoutError, match="no batch of 2"):
         b.get_batch(train_version=2, timeout=0.05)
+
+
+def test_stale_token_mask_and_fraction_by_hand():
+    versions = torch.tensor([[-1, 0, 1, 2, -1], [-1, -1, 3, 3, 1]])
+    stale = stale_token_mask(versions, train_version=3, max_staleness=1)
+    assert stale.tolist() == [
+        [False, True, True, False, False],
+        [False, False, False, False, True],
+    ]
+    assert not stale_token_mask(versions, 3, max_staleness=3).any()
+    assert stale_token_mask(versions, 3, max_staleness=0).sum() == 4  # all but the v3 tokens
+    mask = versions >= 0
+    assert stale_token_fraction(versions, mask, 3, 1) == pytest.approx(3 / 6)
+    with pytest.raises(ValueError, match="rollout.max_staleness=-1"):
+        stale_token_mask(versions, 3, -1)
+    with pytest.raises(ValueError, match="integer"):
+        stale_token_mask(versions.float(), 3, 1)
 
 
 def test_double_buffer_next_batch_fills_while_trainer_holds_previous():
@@ -145,7 +179,7 @@ def test_buffer_is_thread_safe_under_concurrent_producers_and_consumer():
 
 
 # ------------------------------------------------------------------------------- runner
-def _fake_generate(versions=(0,), malformed_at=None):
+def _fake_generate(versions=(0,), malformed_at=None, cut_at=None):
     calls = []
 
     async def generate(eid, prompt, max_tokens, seed):
@@ -153,8 +187,11 @@ def _fake_generate(versions=(0,), malformed_at=None):
         if malformed_at is not None and len(calls) == malformed_at:
             raise MalformedReplyError("bad json")
         k = len(calls)
-        ids = [10 + k, 20 + k, 6]  # 6 = <|eoa|> of the test tokenizer
         v = list(versions)[min(k - 1, len(versions) - 1)]
+        if cut_at is not None and len(calls) == cut_at:  # max_tokens reached before <|eoa|>
+            n = max_tokens
+            return Generation([10 + k] * n, [-0.1] * n, [v] * n, "length")
+        ids = [10 + k, 20 + k, 6]  # 6 = <|eoa|> of the test tokenizer
         return Generation(ids, [-0.1 * k, -0.2, -0.3], [v, v, v + 1], "stop")
 
     return generate, calls
@@ -224,18 +261,6 @@ def test_runner_errors_end_only_the_episode():
                 config=cfg,
             )
         )
-    with pytest.raises(StaleEpisodeError):
-        asyncio.run(
-            run_episode(
-                env=CountEnv(),
-                seed=2,
-                task_id="s",
-                formatter=fmt,
-                generate=_fake_generate()[0],
-                config=cfg,
-                is_stale=lambda v: True,
-            )
-        )
 
 
 def test_runner_truncates_at_turn_budget_and_context_length():
@@ -293,3 +318,67 @@ def test_router_time_averaged_load():
     assert u["a"]["mean_outstanding_requests"] == pytest.approx(1.0, abs=0.15)
     assert u["a"]["utilisation"] == pytest.approx(0.5, abs=0.1)
     assert u["b"]["mean_outstanding_requests"] == 0.0 and u["b"]["utilisation"] == 0.0
+
+
+def test_runner_action_cut_at_its_token_budget_truncates_the_episode():
+    """Issue 19.7: finish_reason 'length' is an incomplete action: not passed to the env,
+    recorded as a truncated last node, and the trajectory is truncated (GAE bootstraps)."""
+    fmt = make_formatter()
+    cfg = RolloutConfig(max_model_len=512, max_tokens_per_action=5)
+    steps = []
+    env = CountEnv(max_len=3)
+    real_step = env.step
+    env.step = lambda a: steps.append(a) or real_step(a)
+    gen, calls = _fake_generate(cut_at=2)
+    t = asyncio.run(
+        run_episode(env=env, seed=2, task_id="c", formatter=fmt, generate=gen, config=cfg)
+    )
+    assert len(calls) == 2 and len(steps) == 1  # the cut action never reached the env
+    assert len(t.nodes) == 2 and t.truncated and not t.terminated
+    assert [n.truncated for n in t.nodes] == [False, True]
+    assert t.nodes[1].action_token_ids == [12] * 5 and t.nodes[1].reward == 0.0
+    assert t.info["truncated_by"] == "max_tokens_per_action"
+    t.validate()
+    t.nodes[0].truncated = True  # only the last node can be the cut one
+    with pytest.raises(ValueError, match=r"nodes\[0\].truncated"):
+        t.validate()
+
+
+class _SlowCountEnv(CountEnv):
+    """CountEnv whose step blocks for `delay_s` (a tool call, a sandbox command)."""
+
+    def __init__(self, delay_s: float, **kw) -> None:
+        super().__init__(**kw)
+        self.delay_s = delay_s
+
+    def step(self, action):
+        time.sleep(self.delay_s)
+        return super().step(action)
+
+
+def test_runner_slow_blocking_env_steps_do_not_block_other_episodes():
+    """8 episodes x 3 blocking steps of 0.2 s: concurrently they overlap (worker threads), so
+    they take well under the sequential time measured in the same test."""
+    fmt, cfg = make_formatter(), RolloutConfig(max_model_len=512, max_tokens_per_action=16)
+
+    async def one(i):
+        gen, _ = _fake_generate(versions=(0,))
+        env = _SlowCountEnv(0.2, max_len=3)
+        return await run_episode(
+            env=env, seed=2, task_id=f"count/{i}", formatter=fmt, generate=gen, config=cfg
+        )
+
+    async def sequential():
+        return [await one(i) for i in range(8)]
+
+    async def concurrent():
+        return await asyncio.gather(*[one(i) for i in range(8)])
+
+    t0 = time.perf_counter()
+    assert all(len(t.nodes) == 3 for t in asyncio.run(sequential()))
+    t_seq = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    assert all(len(t.nodes) == 3 for t in asyncio.run(concurrent()))
+    t_conc = time.perf_counter() - t0
+    assert t_seq >= 8 * 3 * 0.2
+    assert t_conc < 0.6 * t_seq, (t_conc, t_seq)  # >= 5 worker threads overlap on 2 cores

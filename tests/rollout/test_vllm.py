@@ -148,6 +148,81 @@ def test_top_p_logprobs_are_the_sampled_distribution(engines, tiny_models):
     )
 
 
+def _trainer_logprobs(model_dir, items, parallel, *, temperature, top_p):
+    """The trainer's log-probs of each completion: the HF checkpoint converted into our Megatron
+    policy (1 rank, fp32), `compute_policy_logprobs` over a right-padded batch."""
+    import torch
+
+    from sao_megatron.convert.hf_io import HFCheckpointReader, read_hf_config
+    from sao_megatron.convert.model_config import model_config_from_hf
+    from sao_megatron.convert.model_io import load_hf_into_model
+    from sao_megatron.convert.spec import ConversionSpec
+    from sao_megatron.models import build_policy
+    from sao_megatron.models.forward import ModelInputs, compute_policy_logprobs
+
+    config = read_hf_config(model_dir)
+    # transformers 5 (the vLLM venv's, which wrote the checkpoint) names the expert count
+    # num_local_experts and nests rope_theta; the converter reads the 4.x names
+    config.setdefault("num_experts", config.get("num_local_experts"))
+    config.setdefault("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta"))
+    (model,) = build_policy(model_config_from_hf(config), parallel)
+    with HFCheckpointReader(model_dir) as reader:
+        load_hf_into_model(model, reader, ConversionSpec.from_hf_config(config))
+    model.eval()
+    seqs = [it["prompt"] + it["completion"] for it in items]
+    width = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.bool)
+    for r, s in enumerate(seqs):
+        ids[r, : len(s)] = torch.tensor(s)
+        mask[r, : len(s)] = True
+    lp, _ = compute_policy_logprobs(
+        [model], parallel, ModelInputs(ids, mask), temperature, top_p=top_p
+    )
+    out = []
+    for r, it in enumerate(items):  # prediction position p scores token p + 1
+        start = len(it["prompt"]) - 1
+        out.append(lp[r, start : start + len(it["completion"])].tolist())
+    return out
+
+
+def test_trainer_logprobs_at_top_p_match_the_engine_on_policy(engines, tiny_models, parallel_1rank):
+    """Issue 19.2: on-policy fp32 data sampled at top_p=0.7 gives importance ratios
+    r = pi_trainer / pi_behaviour of 1 (mean |1 - r| < 1e-5) once the trainer applies vLLM's
+    nucleus; without it (the old trainer) mean |1 - r| is ~0.3."""
+    import math
+
+    async def go():
+        c = EngineClient(engines[0].url, "e0")
+        gens = [
+            await c.generate(
+                [1, 5, 9, 11 + k],
+                max_tokens=24,
+                temperature=0.9,
+                top_p=0.7,
+                stop_token_ids=[],
+                seed=100 + k,
+            )
+            for k in range(4)
+        ]
+        await c.aclose()
+        return gens
+
+    gens = asyncio.run(go())
+    items = [{"prompt": [1, 5, 9, 11 + k], "completion": g.token_ids} for k, g in enumerate(gens)]
+    behaviour = [x for g in gens for x in g.logprobs]
+    assert len(behaviour) == 96
+
+    def mean_abs_one_minus_ratio(trainer):
+        lps = [x for row in trainer for x in row]
+        return sum(abs(1 - math.exp(a - b)) for a, b in zip(lps, behaviour, strict=True)) / len(lps)
+
+    nucleus = _trainer_logprobs(tiny_models[0], items, parallel_1rank, temperature=0.9, top_p=0.7)
+    plain = _trainer_logprobs(tiny_models[0], items, parallel_1rank, temperature=0.9, top_p=1.0)
+    assert mean_abs_one_minus_ratio(nucleus) < 1e-5
+    assert mean_abs_one_minus_ratio(plain) > 0.05  # what the trainer computed before
+
+
 def test_weight_sync_changes_outputs_exactly_as_new_weights(engines, tiny_models, tmp_path):
     new = tiny_models[1] / "model.safetensors"
     prompt = [1, 7, 8, 9, 10]
@@ -217,7 +292,7 @@ def test_staleness_bound_holds_under_a_slow_trainer(engines, tiny_models, tmp_pa
     with RolloutManager(cfg, fmt, hanoi_tasks(200), run_dir=tmp_path) as m:
         for step in range(4):
             batch = m.get_batch(train_version=step, timeout=120)
-            lags += [step - t.min_policy_version for t in batch]
+            lags += [step - t.max_policy_version for t in batch]
             time.sleep(1.0)  # slow trainer
             assert m.buffer.num_started() <= (step + 1 + 1) * 4 + 4
             m.publish_weights(weights[(step + 1) % 2], version=step + 1)

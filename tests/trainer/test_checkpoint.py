@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from sao_megatron.net import free_port
 from sao_megatron.trainer import checkpoint as ckpt
 from sao_megatron.trainer.checkpoint import (
     CheckpointConfig,
@@ -113,12 +113,6 @@ def _init_world(rank: int, world: int, port: int, tp: int) -> None:
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def one_rank():
     """A 1-rank gloo world with Megatron model-parallel state (TP=1) for this module's tests."""
@@ -127,7 +121,7 @@ def one_rank():
     from sao_megatron.platform import disable_cpu_compat
 
     owned = not dist.is_initialized()
-    _init_world(0, 1, _free_port(), tp=1)
+    _init_world(0, 1, free_port(), tp=1)
     yield
     ps.destroy_model_parallel()
     disable_cpu_compat()
@@ -504,7 +498,7 @@ def _two_rank_worker(rank: int, port: int, root: str, errors) -> None:
 def test_two_ranks_resharded_load(tmp_path):
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_two_rank_worker, args=(r, port, str(tmp_path), errors)) for r in (0, 1)
     ]

@@ -1,0 +1,152 @@
+"""Environment step latency: wrap any environment so each step waits a heavy-tailed, seeded delay.
+
+Agent environments whose steps are tool calls or sandbox commands answer in tens of milliseconds
+to seconds, with a long tail. `LatencyEnv` reproduces that on any registered environment: before
+each step it waits a delay drawn from a lognormal or Pareto distribution (parametrised by its
+median, capped at `max_s`), seeded by (config seed, episode seed, step), so a run is
+reproducible. The wrapped environment's behaviour is unchanged.
+
+Not blocking the rollout loop. `LatencyEnv.step` sleeps (blocking, for synchronous callers such
+as demonstrations); `LatencyEnv.astep` awaits `asyncio.sleep`, so many episodes wait
+concurrently in one event loop. An async caller should use `astep(env, action)` below, which
+awaits `env.astep` when the environment has one and otherwise runs the blocking `env.step` in a
+worker thread (`asyncio.to_thread`, the default executor: min(32, cpus + 4) threads).
+
+Build from config::
+
+    {name: latency, options: {env: {name: hanoi, options: {horizon: 50}},
+                              distribution: lognormal, median_s: 0.2, shape: 1.0, max_s: 5.0}}
+
+Distributions: `heavy_tail.sample_heavy_tailed` (lognormal or Pareto by median and shape, capped).
+Not registered on import: call `sao_megatron.envs.latency.register()` (the package's
+``__init__`` should, once `show all` and its test count it) to build ``name: latency``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from sao_megatron.envs.base import EnvSpec, StepResult, config_from_options, register_env
+from sao_megatron.envs.heavy_tail import DISTRIBUTIONS, HEAVY_TAILED, sample_heavy_tailed  # noqa: F401
+
+
+@dataclass(kw_only=True)
+class LatencyConfig:
+    """Options of the latency wrapper.
+
+    Fields:
+        distribution: "lognormal", "pareto", "constant" or "none".
+        median_s: median delay per step, seconds (>= 0).
+        shape: lognormal sigma (1.0: p99 ~ 10x the median) or Pareto alpha (1.5: mean 2.6x the
+            median, infinite variance) (> 0).
+        max_s: cap on one delay, seconds (>= median_s): a hung tool call times out.
+        seed: base seed of the delays (with the episode seed and the step index).
+    """
+
+    distribution: str = "lognormal"
+    median_s: float = 0.2
+    shape: float = 1.0
+    max_s: float = 10.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.distribution not in DISTRIBUTIONS:
+            raise ValueError(
+                f"latency.distribution={self.distribution!r}: use one of {list(DISTRIBUTIONS)}"
+            )
+        if not (self.median_s >= 0):
+            raise ValueError(f"latency.median_s={self.median_s}: must be >= 0 seconds")
+        if not (self.shape > 0):
+            raise ValueError(f"latency.shape={self.shape}: must be > 0")
+        if not (self.max_s >= self.median_s):
+            raise ValueError(
+                f"latency.max_s={self.max_s}: must be >= latency.median_s ({self.median_s})"
+            )
+
+
+class LatencyEnv:
+    """Any environment with a seeded heavy-tailed delay before each step.
+
+    Forwards `name`, `max_steps`, `reset` and every other attribute (`gold_action`, ...) to the
+    wrapped environment. Each step's info gets ``env_latency_s`` (this step's delay) and
+    ``env_latency_total_s`` (the episode's sum so far).
+    """
+
+    def __init__(self, env: Any, config: LatencyConfig | None = None) -> None:
+        self.env = env
+        self.config = config or LatencyConfig()
+        self.name = env.name
+        self._rng = random.Random(f"latency:{self.config.seed}:none")
+        self.total_s = 0.0
+
+    @property
+    def max_steps(self) -> int:
+        return self.env.max_steps
+
+    def __getattr__(self, item: str) -> Any:  # only called for attributes not found here
+        if item == "env":
+            raise AttributeError(item)
+        return getattr(self.env, item)
+
+    def reset(self, seed: int) -> str:
+        self._rng = random.Random(f"latency:{self.config.seed}:{seed}")
+        self.total_s = 0.0
+        return self.env.reset(seed)
+
+    def next_delay(self) -> float:
+        """The next step's delay in seconds (advances the seeded stream)."""
+        c = self.config
+        return sample_heavy_tailed(self._rng, c.distribution, c.median_s, c.shape, c.max_s)
+
+    def _finish(self, result: StepResult, delay: float) -> StepResult:
+        self.total_s += delay
+        result.info = dict(result.info or {})
+        result.info["env_latency_s"] = delay
+        result.info["env_latency_total_s"] = self.total_s
+        return result
+
+    def step(self, action: str) -> StepResult:
+        """Blocking: sleep the delay, then step the wrapped environment."""
+        delay = self.next_delay()
+        time.sleep(delay)
+        return self._finish(self.env.step(action), delay)
+
+    async def astep(self, action: str) -> StepResult:
+        """Non-blocking: await the delay (other episodes run meanwhile), then step."""
+        delay = self.next_delay()
+        await asyncio.sleep(delay)
+        return self._finish(self.env.step(action), delay)
+
+
+async def astep(env: Any, action: str) -> StepResult:
+    """Step `env` without blocking the event loop: ``await env.astep(action)`` when it has one,
+    else the blocking ``env.step`` in a worker thread."""
+    if hasattr(env, "astep"):
+        return await env.astep(action)
+    return await asyncio.to_thread(env.step, action)
+
+
+def make_latency_env(env: dict | EnvSpec | None = None, **options: Any) -> LatencyEnv:
+    """Registry factory: `env` is the wrapped environment's EnvSpec (or its dict form
+    ``{name, options}``; default a 3-move Hanoi, for `show all`); the other options fill
+    `LatencyConfig`."""
+    if env is None:
+        env = {"name": "hanoi", "options": {"horizon": 3, "extra_disks": 0}}
+    if not isinstance(env, EnvSpec | dict):
+        raise ValueError(f"latency.env={env!r}: give the wrapped environment, e.g. {{name: hanoi}}")
+    spec = env if isinstance(env, EnvSpec) else EnvSpec(**env)
+    config = config_from_options(LatencyConfig, options, "latency")
+    return LatencyEnv(spec.build(), config)
+
+
+def register() -> None:
+    """Register `make_latency_env` as environment "latency" (idempotent). Not done on import, so
+    importing this module leaves `registered_envs()` unchanged."""
+    from sao_megatron.envs.base import _REGISTRY
+
+    if _REGISTRY.get("latency") is not make_latency_env:
+        register_env("latency")(make_latency_env)
