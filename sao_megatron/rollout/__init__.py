@@ -24,6 +24,11 @@ _EXPORTS = {
     "Generation": "engine",
     "WeightPublisher": "weight_sync",
     "run_episode": "runner",
+    "AgentEnvironment": "gateway",
+    "ChatGateway": "gateway",
+    "run_agent_episode": "gateway",
+    "EpisodeStatus": "status",
+    "StatusCounters": "status",
     "stale_token_mask": "staleness",
 }
 

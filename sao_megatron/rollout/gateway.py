@@ -76,7 +76,7 @@ import re
 import secrets
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -961,24 +961,11 @@ async def close_shared_gateway() -> None:
         await gw.aclose()
 
 
-def agent_tasks(
-    name: str, make_env: Callable[[], AgentEnvironment], start_seed: int = 0
-) -> Iterator[Any]:
-    """Endless manager tasks ``<name>/<seed>`` of one agent environment (seeds start_seed, ...)."""
-    from sao_megatron.rollout.manager import Task
-
-    seed = start_seed
-    while True:
-        yield Task(task_id=f"{name}/{seed}", make_env=make_env, seed=seed)
-        seed += 1
-
-
 __all__ = [
     "AgentEnvironment",
     "AgentOutcome",
     "ChatGateway",
     "TOOL_PROMPT",
-    "agent_tasks",
     "close_shared_gateway",
     "make_agent_environment",
     "resolve",

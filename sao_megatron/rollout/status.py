@@ -29,66 +29,26 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import enum
 import inspect
 from collections.abc import Iterable
 from typing import Any
 
 from sao_megatron.rollout.engine import EngineError, MalformedReplyError
-from sao_megatron.rollout.runner import EpisodeError
-
-try:  # runners that abort stale episodes raise their own; newer ones never abort for staleness
-    from sao_megatron.rollout.runner import StaleEpisodeError
-except ImportError:
-
-    class StaleEpisodeError(RuntimeError):
-        """The episode's tokens are too old to train (status ``aborted_stale``)."""
-
-
-class EpisodeStatus(str, enum.Enum):  # noqa: UP042 - StrEnum needs 3.11; we support 3.10
-    """How an episode ended (the value is the metric suffix: ``episodes/<value>``)."""
-
-    COMPLETED = "completed"
-    TRUNCATED = "truncated"
-    ENV_ERROR = "env_error"
-    AGENT_ERROR = "agent_error"
-    ENGINE_ERROR = "engine_error"
-    TIMEOUT = "timeout"
-    ABORTED_STALE = "aborted_stale"
-
-    @property
-    def trainable(self) -> bool:
-        return self in TRAINABLE
-
-    def __str__(self) -> str:  # f"{status}" -> "completed"
-        return self.value
+from sao_megatron.rollout.episode_status import (
+    DEFAULT_REQUEUE,
+    TRAINABLE,
+    EpisodeStatus,
+    is_trainable,
+    parse_statuses,
+)
 
 
-TRAINABLE = frozenset({EpisodeStatus.COMPLETED, EpisodeStatus.TRUNCATED})
-#: default of the proposed ``rollout.requeue_statuses``: retried with a fresh attempt
-DEFAULT_REQUEUE = frozenset({EpisodeStatus.ENGINE_ERROR, EpisodeStatus.ABORTED_STALE})
+class EpisodeError(RuntimeError):
+    """The episode cannot continue (environment exception, malformed engine reply)."""
 
 
-def is_trainable(status: EpisodeStatus | str) -> bool:
-    """True only for ``completed`` and ``truncated``."""
-    return EpisodeStatus(status) in TRAINABLE
-
-
-def parse_statuses(names: Iterable[str], field: str = "rollout.requeue_statuses") -> frozenset:
-    """Statuses from config strings; ValueError naming `field` for an unknown or trainable one."""
-    out = set()
-    for name in names:
-        try:
-            s = EpisodeStatus(name)
-        except ValueError:
-            raise ValueError(
-                f"{field}: {name!r} is not an episode status; use some of "
-                f"{[s.value for s in EpisodeStatus if not s.trainable]}"
-            ) from None
-        if s.trainable:
-            raise ValueError(f"{field}: {name!r} is trained, not requeued; remove it")
-        out.add(s)
-    return frozenset(out)
+class StaleEpisodeError(RuntimeError):
+    """The episode's tokens are too old to train (status ``aborted_stale``)."""
 
 
 def disposition(

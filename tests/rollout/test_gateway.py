@@ -555,7 +555,7 @@ class AgentHookManager(RolloutManager):
 def test_rollout_manager_runs_agent_episodes(formatter, tmp_path):
     """The real manager (router, buffer, fake engines) runs the calculator agent through the
     gateway; agents that fail (every third seed raises) are dropped, never batched."""
-    from sao_megatron.rollout.gateway import agent_tasks
+    from sao_megatron.rollout.manager import agent_tasks
     from tests.rollout.fakes import FakeEngine, FakeEngineClient
 
     async def flaky(task, client):
