@@ -99,6 +99,8 @@ class Trajectory:
         context_mode: "full_history" or "window" (see module docstring).
         group_index: sample index within a GRPO group (0 for SAO's single trajectory).
         info: free-form episode facts for metrics (success flag, env name, ...).
+        status: how the episode ended (`sao_megatron.rollout.status.EpisodeStatus` value); only
+            "completed" and "truncated" trajectories are trained (validate() refuses others).
     """
 
     task_id: str
@@ -111,6 +113,7 @@ class Trajectory:
     context_mode: ContextMode = "full_history"
     group_index: int = 0
     info: dict = field(default_factory=dict)
+    status: str = "completed"
 
     # ----------------------------------------------------------------------------------------
     @property
@@ -133,6 +136,11 @@ class Trajectory:
         """Raise ValueError naming the bad field; called by the buffer before admitting it."""
         if not self.nodes:
             raise ValueError(f"Trajectory {self.task_id!r} has no action nodes")
+        if self.status not in ("completed", "truncated"):
+            raise ValueError(
+                f"Trajectory[{self.task_id!r}].status={self.status!r}: only completed or truncated "
+                "episodes are trained (failures are requeued or dropped, never reward 0)"
+            )
         if self.context_mode not in ("full_history", "window"):
             raise ValueError(
                 f"Trajectory.context_mode={self.context_mode!r}: use 'full_history' or 'window'"

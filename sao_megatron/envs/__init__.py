@@ -22,6 +22,15 @@ from sao_megatron.envs.base import (
 if importlib.util.find_spec("minigrid") is not None:  # optional dependency
     from sao_megatron.envs import babyai  # noqa: F401
 
+
+@register_env("agent")
+def _agent_env(**options):
+    """An OpenAI-SDK agent function run through the chat gateway (docs/AGENTS.md)."""
+    from sao_megatron.rollout.gateway import make_agent_environment
+
+    return make_agent_environment(**options)
+
+
 __all__ = [
     "EnvSpec",
     "Environment",

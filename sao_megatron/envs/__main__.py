@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.name == "all":
         rc = 0
         for name in registered_envs():
+            if name == "agent":
+                continue  # an agent function (needs agent=/task=), not a text-step environment
             if name == "reasoning_gym":
                 continue  # generic wrapper: needs dataset=...; chain_sum/basic_arithmetic show it
             print(f"===== {name}")

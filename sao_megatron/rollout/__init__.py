@@ -23,6 +23,11 @@ _EXPORTS = {
     "EngineError": "engine",
     "Generation": "engine",
     "run_episode": "runner",
+    "AgentEnvironment": "gateway",
+    "ChatGateway": "gateway",
+    "run_agent_episode": "gateway",
+    "EpisodeStatus": "status",
+    "StatusCounters": "status",
     "stale_token_mask": "staleness",
 }
 

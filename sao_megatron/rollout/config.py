@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from sao_megatron.rollout.episode_status import parse_statuses
+
 _DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 
@@ -26,6 +28,12 @@ class RolloutConfig:
         request_timeout_s: seconds one generation request may take before the engine counts as
             hung (the episode is requeued, the engine health-checked).
         max_engine_restarts: restarts of a local engine that died before it is dropped.
+    Episodes (sao_megatron.rollout.status, docs/AGENTS.md):
+        step_timeout_s: seconds one environment step, or an agent's own work between two model
+            calls, may take; the episode then ends ``timeout`` (null: no limit).
+        episode_timeout_s: wall-clock seconds one episode may take (null: no limit).
+        requeue_statuses: failed episodes whose task is retried (up to max_episode_attempts);
+            the other failures are dropped. Only completed/truncated episodes are trained.
     Sampling:
         max_tokens_per_action: generation budget of one action, tokens.
         temperature, top_p: sampling settings, recorded on every trajectory.
@@ -73,6 +81,9 @@ class RolloutConfig:
     startup_timeout_s: float = 300.0
     request_timeout_s: float = 120.0
     max_engine_restarts: int = 2
+    step_timeout_s: float | None = None
+    episode_timeout_s: float | None = None
+    requeue_statuses: list[str] = field(default_factory=lambda: ["engine_error", "aborted_stale"])
 
     max_tokens_per_action: int = 256
     temperature: float = 1.0
@@ -116,6 +127,11 @@ class RolloutConfig:
                 raise bad(name, "must be > 0 seconds")
         if self.max_engine_restarts < 0:
             raise bad("max_engine_restarts", "must be >= 0")
+        for name in ("step_timeout_s", "episode_timeout_s"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise bad(name, "must be > 0 seconds or null (no limit)")
+        self.requeue_statuses = list(self.requeue_statuses)
+        parse_statuses(self.requeue_statuses)  # ValueError naming rollout.requeue_statuses
         if not self.temperature > 0:
             raise bad("temperature", "must be > 0 (greedy decoding has no behaviour log-probs)")
         if not 0 < self.top_p <= 1:

@@ -44,8 +44,16 @@ from sao_megatron.data.trajectory import Trajectory
 from sao_megatron.rollout.buffer import Group, StalenessBuffer
 from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.engine import EngineClient, EngineError, EngineProcess, Generation
+from sao_megatron.rollout.gateway import close_shared_gateway
 from sao_megatron.rollout.router import Router
 from sao_megatron.rollout.runner import EpisodeError, run_episode, sample_action, stop_token_ids
+from sao_megatron.rollout.status import (
+    EpisodeStatus,
+    StatusCounters,
+    classify_exception,
+    disposition,
+    parse_statuses,
+)
 from sao_megatron.weight_sync.engines import EngineSyncReport, sync_engine
 from sao_megatron.weight_sync.publisher import WeightPublisher, WeightSource
 
@@ -159,6 +167,8 @@ class RolloutManager:
         self._failure_streak: list[BaseException] = []  # failed groups since the last success
         self._t0 = time.monotonic()
         self.counters = collections.Counter()
+        self.status_counters = StatusCounters()  # episodes/<status> in stats()
+        self._requeue = parse_statuses(config.requeue_statuses)
         self.attempts: collections.Counter = collections.Counter()  # task_id -> attempts started
         self._task_by_id: dict[str, Task] = {}  # tasks started and not yet handed to the trainer
         self.sync_history: list[SyncResult] = []
@@ -311,6 +321,7 @@ class RolloutManager:
         wall = time.monotonic() - self._t0
         out = {f"rollout/{k}": v for k, v in self.counters.items()}
         out.update({f"buffer/{k}": v for k, v in self.buffer.stats.items()})
+        out.update(self.status_counters.metrics())
         out["rollout/wall_s"] = wall
         out["rollout/trajectories_per_s"] = self.counters["trajectories"] / max(wall, 1e-9)
         out["rollout/tokens_per_s"] = self.counters["generated_tokens"] / max(wall, 1e-9)
@@ -343,6 +354,7 @@ class RolloutManager:
         await asyncio.gather(*tasks, return_exceptions=True)
         for c in self.clients:
             await c.aclose()
+        await close_shared_gateway()
 
     def _engine_version(self) -> int:
         healthy = self.router.healthy_indices() if self.router else []
@@ -395,6 +407,11 @@ class RolloutManager:
         )
         self._inflight -= g
         errors = [r for r in results if isinstance(r, BaseException)]
+        for r in results:  # every episode ends with a status (rollout/status.py)
+            if isinstance(r, Trajectory):
+                self.status_counters.record(r.status)
+            elif isinstance(r, EpisodeError | EngineError | TimeoutError):
+                self.status_counters.record(classify_exception(r))
         try:
             if not errors:
                 self.buffer.put_group(list(results))
@@ -402,11 +419,17 @@ class RolloutManager:
                 self._failure_streak.clear()
                 return
             self.buffer.mark_discarded()
-            retry = [e for e in errors if isinstance(e, EngineError)]
+            retry = [
+                e
+                for e in errors
+                if isinstance(e, EpisodeError | EngineError | TimeoutError)
+                and disposition(classify_exception(e), self._requeue) == "requeue"
+            ]
             if retry and attempt + 1 < self.config.max_episode_attempts:
-                self.counters["requeued_engine"] += 1
+                kind = classify_exception(retry[0]).value.removesuffix("_error")
+                self.counters[f"requeued_{kind}"] += 1  # requeued_engine, requeued_timeout, ...
                 log.warning(
-                    "task %s attempt %d requeued (engine): %s", task.task_id, attempt, retry[0]
+                    "task %s attempt %d requeued (%s): %s", task.task_id, attempt, kind, retry[0]
                 )
                 self._requeued.appendleft((task, attempt + 1))
             else:
@@ -419,7 +442,7 @@ class RolloutManager:
                     type(bad[0]).__name__,
                     bad[0],
                 )
-                if not isinstance(bad[0], EpisodeError | EngineError):
+                if not isinstance(bad[0], EpisodeError | EngineError | TimeoutError):
                     raise bad[0]
                 self._failure_streak.append(bad[0])
                 if len(self._failure_streak) == MAX_CONSECUTIVE_FAILURES:
@@ -449,17 +472,23 @@ class RolloutManager:
         ) -> Generation:
             return await self._generate(eid, prompt, max_tokens, seed)
 
+        kw = {
+            "seed": task.seed,
+            "task_id": task.task_id,
+            "formatter": self.formatter,
+            "generate": generate,
+            "config": self.config,
+            "group_index": group_index,
+            "episode_id": episode_id,
+        }
         try:
-            traj = await run_episode(
-                env=env,
-                seed=task.seed,
-                task_id=task.task_id,
-                formatter=self.formatter,
-                generate=generate,
-                config=self.config,
-                group_index=group_index,
-                episode_id=episode_id,
-            )
+            agent_run = getattr(env, "run_episode", None)  # an AgentEnvironment (gateway.py)
+            if agent_run is not None:  # enforces rollout.episode_timeout_s itself
+                traj = await agent_run(**kw)
+            else:
+                traj = await asyncio.wait_for(
+                    run_episode(env=env, **kw), timeout=self.config.episode_timeout_s
+                )
         finally:
             if self.router is not None:
                 self.router.forget(episode_id)
@@ -567,6 +596,7 @@ class RolloutManager:
         the staleness bound (a fresh attempt, so the task mix stays unbiased)."""
         t = group[0]
         self.counters["requeued_stale"] += 1
+        self.status_counters.record(EpisodeStatus.ABORTED_STALE, len(group))
         task = self._task_by_id[t.task_id]
         self._loop.call_soon_threadsafe(
             self._requeued.appendleft, (task, int(t.info.get("attempt", 0)) + 1)
@@ -600,3 +630,11 @@ def round_robin_tasks(
     for seed in itertools.count(start_seed):
         for name, make in make_envs.items():
             yield Task(task_id=f"{name}/{seed}", make_env=make, seed=seed)
+
+
+def agent_tasks(name: str, make_env: Callable[[], object], start_seed: int = 0) -> Iterator[Task]:
+    """Endless manager tasks ``<name>/<seed>`` of one agent environment (seeds start_seed, ...)."""
+    seed = start_seed
+    while True:
+        yield Task(task_id=f"{name}/{seed}", make_env=make_env, seed=seed)
+        seed += 1

@@ -32,16 +32,12 @@ from typing import TYPE_CHECKING
 
 from sao_megatron.data.episode import EpisodeFormatter
 from sao_megatron.data.trajectory import Trajectory
-from sao_megatron.envs.latency import astep
 from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.engine import EngineClient, EngineError, Generation, MalformedReplyError
+from sao_megatron.rollout.status import EpisodeError, call_step
 
 if TYPE_CHECKING:  # importing sao_megatron.envs imports every built-in environment
     from sao_megatron.envs.base import Environment
-
-
-class EpisodeError(RuntimeError):
-    """The episode cannot continue (environment exception, malformed engine reply)."""
 
 
 #: generate(episode_id, prompt_ids, max_tokens, seed) -> Generation
@@ -158,10 +154,12 @@ async def run_episode(
                 else "max_model_len"
             )
             break
-        try:  # an async env's astep, or its blocking step in a worker thread: other episodes go on
-            result = await astep(env, action_text)
-        except Exception as e:
-            raise EpisodeError(f"{task_id}: env.step raised {type(e).__name__}: {e}") from e
+        # an async env's astep, or its blocking step in a worker thread (other episodes go on),
+        # under rollout.step_timeout_s: EpisodeTimeout, or EnvStepError if the step raises
+        step = getattr(env, "astep", None) or env.step
+        result = await call_step(
+            step, action_text, timeout_s=config.step_timeout_s, what=f"{task_id}: env.step"
+        )
         builder.add_action(gen.token_ids, logprobs, gen.policy_versions, float(result.reward))
         info.update(_scalar_info(result.info or {}))
         if result.done:
@@ -187,6 +185,8 @@ async def run_episode(
         info=info,
     )
     traj.nodes[-1].truncated = cut
+    traj.status = "completed" if terminated else "truncated"  # rollout/status.py
+    traj.info["status"] = traj.status
     try:
         traj.validate()
     except ValueError as e:

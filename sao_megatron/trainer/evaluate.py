@@ -71,15 +71,20 @@ def evaluate(
                 )
 
             async with sem:
+                env = spec.build()
+                kw = {
+                    "seed": seed,
+                    "task_id": f"eval/{spec.name}:{seed}",
+                    "formatter": formatter,
+                    "generate": generate,
+                    "config": cfg,
+                }
+                agent_run = getattr(env, "run_episode", None)  # an AgentEnvironment (gateway)
                 try:
-                    traj = await run_episode(
-                        env=spec.build(),
-                        seed=seed,
-                        task_id=f"eval/{spec.name}:{seed}",
-                        formatter=formatter,
-                        generate=generate,
-                        config=cfg,
-                    )
+                    if agent_run is not None:
+                        traj = await agent_run(**kw)
+                    else:
+                        traj = await run_episode(env=env, **kw)
                 except EpisodeError as e:
                     log.warning("eval episode failed: %s", e)
                     return spec.name, None
@@ -96,6 +101,9 @@ def evaluate(
         finally:
             for c in clients:
                 await c.aclose()
+            from sao_megatron.rollout.gateway import close_shared_gateway
+
+            await close_shared_gateway()
         return _summarise(results, [e.name for e in envs], success_threshold)
 
     return asyncio.run(main())
