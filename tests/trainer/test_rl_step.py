@@ -328,3 +328,38 @@ def test_frozen_value_parameters_get_no_gradient_buffer(tiny_moe, parallel_1rank
             frozen += 1
             assert p.grad is None and getattr(p, "main_grad", None) is None, n
     assert frozen > 0 and trainable > 0
+
+
+def _v_old_worker(rank: int, world_size: int, out_dir: str) -> None:
+    """The golden SAO steps at PP=2 and DP=2, with V_old from the first update's forward and
+    with the no-grad V_old forward forced (value_targets -> None)."""
+    from sao_megatron.algorithm.sao import SAO
+    from tests.golden import golden_worker
+
+    results = {}
+    for name, pkw in (("pp2", {"pp": 2}), ("dp2", {})):
+        results[f"{name}/fast"] = golden_worker.run("sao", pkw)
+        original = SAO.value_targets
+        SAO.value_targets = lambda self, inputs: None
+        try:
+            results[f"{name}/forward"] = golden_worker.run("sao", pkw)
+        finally:
+            SAO.value_targets = original
+    torch.save(results, f"{out_dir}/rank{rank}.pt")
+
+
+@pytest.mark.distributed
+def test_v_old_from_the_first_update_across_ranks(tmp_path):
+    """PP=2 (values broadcast from the last stage) and DP=2 (the forward decision all-reduced):
+    the same losses, metrics and trained log-probs bit for bit as with the V_old forward."""
+    from tests.conftest import launch
+
+    launch(_v_old_worker, 2, str(tmp_path))
+    for rank in range(2):
+        res = torch.load(tmp_path / f"rank{rank}.pt")
+        for name in ("pp2", "dp2"):
+            fast, ref = res[f"{name}/fast"], res[f"{name}/forward"]
+            assert fast["probe_logprobs"] == ref["probe_logprobs"], (name, rank)
+            for a, b in zip(fast["steps"], ref["steps"], strict=True):
+                same = {k for k in b if a[k] == b[k] or (math.isnan(a[k]) and math.isnan(b[k]))}
+                assert same == set(b), (name, rank, sorted(set(b) - same))
