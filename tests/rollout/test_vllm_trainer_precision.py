@@ -54,6 +54,7 @@ def test_bf16_trainer_logprobs_match_the_engine(engines, tiny_models, parallel_1
                 [1, 5, 9, 11 + k],
                 max_tokens=24,
                 temperature=TEMPERATURE,
+                top_p=1.0,
                 stop_token_ids=[],
                 seed=k,
             )
