@@ -85,8 +85,8 @@ def test_bf16_trainer_logprobs_match_the_engine(engines, tiny_models, parallel_1
     items = [{"prompt": [1, 5, 9, 11 + k], "completion": g.token_ids} for k, g in enumerate(gens)]
     engine = torch.tensor([x for g in gens for x in g.logprobs], dtype=torch.float64)
     errs = {}
+    hf_dir = _converter_readable(tiny_models[0], tmp_path / "hf")
     for dtype in ("fp32", "bf16"):
-        hf_dir = _converter_readable(tiny_models[0], tmp_path / "hf")
         lp = _trainer_logprobs(hf_dir, parallel_1rank, dtype, items)
         got = torch.tensor([x for row in lp for x in row], dtype=torch.float64)
         assert got.shape == engine.shape
