@@ -55,8 +55,10 @@ FLOP conventions (counted exactly, per processed token position, by `forward_flo
   3x. Activation gradients of layer 0's QKV are counted only if a parameter below it trains
   (embedding or layer-0 input norm; true for both models by default).
 - What each phase executes (K = algorithm.sao.value_updates_per_policy_update):
-  value phase = (K + 2) value forwards + K value backwards (no-grad forward for V_old, K
-  updates, no-grad forward for the fresh values); policy phase = 1 policy forward + backward
+  value phase = (K + 1) value forwards + K value backwards (K updates, the first of which
+  gives V_old and the returns need no values at algorithm.sao.lam_value = 1; then a no-grad
+  forward for the fresh values); with lam_value != 1 one more no-grad forward for V_old
+  before the updates, (K + 2) in all; policy phase = 1 policy forward + backward
   (SAO uses the rollout's behaviour log-probs, no extra "old" forward).
   Not counted either: the advantage scan's small matmuls (GAE, a few kFLOPs per step).
   tests/tools/test_bench_mfu.py checks every count here against ``torch.utils.flop_counter``
@@ -224,17 +226,27 @@ def backward_flops(
     return out
 
 
-def step_flops(model, num_rows: int, seq_len: int, k_value: int, policy_frac, value_frac):
+def step_flops(
+    model,
+    num_rows: int,
+    seq_len: int,
+    k_value: int,
+    policy_frac,
+    value_frac,
+    targets_forward: bool = False,
+):
     """Model FLOPs of the SAO phases RLStep runs on ``num_rows`` x ``seq_len`` tokens.
 
     Returns {"policy_update", "value_phase", "train_step"} in FLOPs: policy forward + backward;
-    (k_value + 2) value forwards + k_value value backwards; their sum.
+    (k_value + 1) value forwards + k_value value backwards, one forward more with
+    ``targets_forward`` (the VALUE_TARGETS forward of lam_value != 1); their sum.
     """
     fp = sum(forward_flops(model, num_rows, seq_len, "policy").values())
     bp = sum(backward_flops(model, num_rows, seq_len, "policy", policy_frac).values())
     fv = sum(forward_flops(model, num_rows, seq_len, "value").values())
     bv = sum(backward_flops(model, num_rows, seq_len, "value", value_frac).values())
-    pol, val = fp + bp, (k_value + 2) * fv + k_value * bv
+    num_fwd = k_value + (2 if targets_forward else 1)
+    pol, val = fp + bp, num_fwd * fv + k_value * bv
     return {"policy_update": pol, "value_phase": val, "train_step": pol + val}
 
 
@@ -640,7 +652,8 @@ def _trainer_section(job, args, mbs: int, res: dict) -> dict:
     )
     vf = trainable_fractions([(n, p) for c in value.unwrapped for n, p in c.named_parameters()])
     k = job.algorithm.sao.value_updates_per_policy_update
-    fl = step_flops(job.model, args.rows, args.seq_len, k, pf, vf)
+    targets_fwd = job.algorithm.sao.lam_value != 1.0  # synthetic rows: none truncated
+    fl = step_flops(job.model, args.rows, args.seq_len, k, pf, vf, targets_fwd)
     fl["value_step"] = fl["value_phase"]
     device = parallel.platform.device.type
     dtype = job.precision.params_dtype
@@ -649,7 +662,9 @@ def _trainer_section(job, args, mbs: int, res: dict) -> dict:
     setup.update(trainer_device=device, trainer_dtype=dtype, trainer_roofline=ref_name)
     what = {
         "train_step": "SAO RLStep.train_step (value phase + policy update)",
-        "value_phase": f"time/value + time/advantages: {k + 2} value fwd + {k} value bwd",
+        "value_phase": (
+            f"time/value + time/advantages: {k + 1 + targets_fwd} value fwd + {k} value bwd"
+        ),
         "policy_update": "time/policy: 1 policy fwd + bwd + optimiser step",
         "value_step": "RLStep.value_step (value pre-training step)",
     }

@@ -8,6 +8,7 @@ An algorithm object answers, for the trainer (`sao_megatron.trainer.rl_step.RLSt
   (group statistics stay local);
 * ``schedule``: the phases of one train step, in order (`Phase`);
 * ``advantages(inputs)``: advantages (and, with a critic, value targets) at token positions;
+* ``value_targets(inputs)``: value targets that need no value forward (`ValueTargets`), or None;
 * ``policy_loss(...)``: the scalar policy loss of one micro-batch.
 
 Config validation asks the class for ``default_importance``, ``importance_weightings`` (the
@@ -33,9 +34,12 @@ class Phase(enum.Enum):
     """One piece of work of a train step; RLStep runs them in `Algorithm.schedule` order."""
 
     VALUE_TARGETS = "value_targets"
-    """value forward without grad: V_old and the value targets (returns) of the batch."""
+    """the value targets (returns) of the batch with the critic before its updates; a value
+    forward without grad (V_old) only when the targets need values (`Algorithm.value_targets`
+    is None) or a bootstrap value cannot be read from the first update's forward."""
     VALUE_UPDATE = "value_update"
-    """one optimiser step of the value model on V_old / returns (clipped value loss)."""
+    """one optimiser step of the value model on V_old / returns (clipped value loss); without a
+    VALUE_TARGETS forward the first update's own forward gives V_old (and the bootstrap)."""
     OLD_LOGPROBS = "old_logprobs"
     """policy forward without grad: l_old, the log-probs before this update (PPO's pi_old)."""
     ADVANTAGES = "advantages"
@@ -75,6 +79,24 @@ class AdvantageInputs:
     truncated: torch.Tensor | None = None
     bootstrap_values: torch.Tensor | None = None
     group_ids: torch.Tensor | None = None
+
+
+@dataclass(kw_only=True)
+class ValueTargets:
+    """Value targets that need no value forward: linear in the bootstrap value only,
+
+        R[b, t] = base[b, t] + bootstrap_coef[b, t] * V_last[b]
+
+    with V_last[b] = V(state after row b's last action), the bootstrap of a truncated row.
+    base: [B, T] float64, the targets with V_last = 0 (discounted reward-to-go).
+    bootstrap_coef: [B, T] float64, dR/dV_last (gamma^(steps to the end) on rows that bootstrap,
+        0 on the others); all zero when no row bootstraps.
+    value_mask: [B, T] bool, where the value loss is taken.
+    """
+
+    base: torch.Tensor
+    bootstrap_coef: torch.Tensor
+    value_mask: torch.Tensor
 
 
 class Algorithm:
@@ -124,6 +146,12 @@ class Algorithm:
         if self.config.whiten_advantages:
             out.advantages = masked_whiten(out.advantages, inputs.action_mask.to(torch.bool))
         return out
+
+    def value_targets(self, inputs: AdvantageInputs) -> ValueTargets | None:
+        """Value targets computed without values (inputs.values is not read), or None when the
+        targets depend on V (then the trainer runs a value forward and takes them from
+        `advantages`). Default None; algorithms without a critic never get asked."""
+        return None
 
     def policy_loss(
         self,

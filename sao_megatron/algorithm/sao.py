@@ -7,6 +7,12 @@ Choices, in the order a train step runs them:
    action nodes, `algorithm.sao.advantage_granularity`), then K value updates on the same batch
    (K = `algorithm.sao.value_updates_per_policy_update`, default 2) with the clipped loss
    0.5 max((V - R)^2, (V_old + clip(V - V_old, +-eps_v) - R)^2).
+   With lam_value = 1 the targets need no values: GAE(1) telescopes,
+       A_t(1) + V_t = sum_k gamma^k r_{t+k} + gamma^(L-t) V_last      (the V_t cancel)
+   so R is the discounted reward-to-go plus the discounted bootstrap V_last of a truncated row
+   (`value_targets`), and V_old is the first update's own forward (detached): its clip term is
+   then inactive by construction (V - V_old = 0, both branches of the max equal), so the first
+   update is the unclipped one and the value forward before it is saved.
 3. Advantages with the critic *after* its updates: GAE(lam_policy), observation tokens skipped.
 4. Policy update with direct importance sampling on the behaviour log-probs l_b the rollout
    engine recorded -- no recomputed "old" log-probs (SAO saves that forward pass):
@@ -21,12 +27,13 @@ Choices, in the order a train step runs them:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
 
 from .advantages import AdvantageOutput, action_token_gae, final_next_values, node_gae
-from .base import AdvantageInputs, Algorithm, Phase
+from .base import AdvantageInputs, Algorithm, Phase, ValueTargets
 from .importance import importance_weights
 from .losses import dis_policy_loss, policy_gradient_loss, ppo_clip_loss
 from .registry import register
@@ -132,6 +139,32 @@ class SAO(Algorithm):
             return action_token_gae(**common)
         mode = "last_token" if cfg.advantage_granularity == "node_last_token" else "mean"
         return node_gae(**common, node_value=mode)
+
+    def value_targets(self, inputs: AdvantageInputs) -> ValueTargets | None:
+        """With `algorithm.sao.lam_value` = 1, the targets without values (module docstring,
+        choice 2): base = returns of `compute_advantages` with V = 0 and V_last = 0 (the
+        reward-to-go); bootstrap_coef = its returns with rewards = 0, V = 0 and V_last = 1 on
+        the rows that bootstrap (truncated, `bootstrap_truncated`), which is gamma^(L-t) by
+        linearity. None for lam_value != 1 (the targets then depend on V). Shapes [B, T]."""
+        if self.config.sao.lam_value != 1.0:
+            return None
+        mask = inputs.action_mask.to(torch.bool)
+        zeros = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
+        num_rows = mask.shape[0]
+        base = self.compute_advantages(
+            dataclasses.replace(inputs, values=zeros, bootstrap_values=zeros.new_zeros(num_rows))
+        )
+        coef = self.compute_advantages(
+            dataclasses.replace(
+                inputs,
+                node_rewards=torch.zeros_like(inputs.node_rewards, dtype=torch.float64),
+                values=zeros,
+                bootstrap_values=zeros.new_ones(num_rows),
+            )
+        )
+        return ValueTargets(
+            base=base.returns, bootstrap_coef=coef.returns, value_mask=base.value_mask
+        )
 
     def policy_loss(self, *, old_logprobs=None, **kw) -> torch.Tensor:
         """`behaviour_policy_loss` (old_logprobs is not used: SAO has no OLD_LOGPROBS phase)."""

@@ -5,6 +5,12 @@
 algorithm's, the execution (sharding, micro-batches, forward/backward, optimiser steps) is here:
 
 SAO:      VALUE_TARGETS -> VALUE_UPDATE x K -> ADVANTAGES (updated critic) -> POLICY_UPDATE
+
+SAO's value work is K + 1 value forwards and K backwards when the targets need no values
+(`Algorithm.value_targets`, lam_value = 1): VALUE_TARGETS then runs no forward, the first
+update's forward gives V_old (detached) and the bootstrap value of truncated rows. Otherwise
+(lam_value != 1, or a truncated trajectory whose rows span micro-batches) VALUE_TARGETS runs a
+no-grad value forward first, K + 2 forwards in all.
 GRPO:     OLD_LOGPROBS -> ADVANTAGES (group statistics) -> POLICY_UPDATE (PPO-clip)
 GRPO+DIS: ADVANTAGES (group statistics) -> POLICY_UPDATE (DIS on the behaviour log-probs)
 
@@ -122,14 +128,39 @@ class StepConfig:
 
 
 @dataclass(kw_only=True)
+class _PendingTargets:
+    """Value targets waiting for the bootstrap values, R = base + coef * V_last (padded local
+    batch, token positions; see `sao_megatron.algorithm.base.ValueTargets`).
+
+    base, coef: [R, T] float64. boot_row: [R] int64, the row holding the last action token of
+    row r's trajectory (r itself where coef is 0). boot_pos: [R] int64, that token's position.
+    """
+
+    base: torch.Tensor
+    coef: torch.Tensor
+    boot_row: torch.Tensor
+    boot_pos: torch.Tensor
+
+    def returns(self, raw: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
+        """float32 returns of `rows` from raw values [R, T] (or [b, T] of those rows, whose
+        boot_row then indexes from rows.start)."""
+        rows = rows or slice(0, self.base.shape[0])
+        src = self.boot_row[rows] - (rows.start or 0)
+        v_last = raw[src, self.boot_pos[rows]].detach().to(torch.float64)
+        return (self.base[rows] + self.coef[rows] * v_last[:, None]).float()
+
+
+@dataclass(kw_only=True)
 class StepState:
     """What the phases of one train step hand each other, on this DP rank.
 
     batch: this rank's trajectories, padded to a common row count [R, T] (see `RLStep.start`).
     num_real_rows: rows of `batch` before padding. train_version: the policy version trained.
     num_tokens / num_sequences: global action tokens / rows with action tokens (denominators).
-    values: (at_tokens, raw) [R, T] float32 V_old from VALUE_TARGETS (see `RLStep._values`).
+    values: (at_tokens, raw) [R, T] float32 V_old of the critic before its updates (see
+        `RLStep._values`): from VALUE_TARGETS' forward or the first VALUE_UPDATE's.
     returns, value_mask: [R, T] value targets and where the value loss is taken.
+    pending_targets: value-free targets (`_PendingTargets`) until a forward gives V_last.
     num_value_tokens: global count of value_mask (the value loss denominator).
     value_updates: VALUE_UPDATE phases done so far.
     old_logprobs: [R, T-1] float32 l_old at prediction positions (OLD_LOGPROBS).
@@ -148,6 +179,7 @@ class StepState:
     values: tuple[torch.Tensor, torch.Tensor] | None = None
     returns: torch.Tensor | None = None
     value_mask: torch.Tensor | None = None
+    pending_targets: _PendingTargets | None = None
     num_value_tokens: float = 0.0
     value_updates: int = 0
     old_logprobs: torch.Tensor | None = None
@@ -365,15 +397,7 @@ class RLStep:
         local batch; values: (at_tokens, raw) from `_values`, or None."""
         b, num_real_rows = state.batch, state.num_real_rows
         real = _real_rows(b, num_real_rows)
-        node_idx, valid = gather_to_streams(real, real.node_index)
-        groups = {tid: i for i, tid in enumerate(dict.fromkeys(real.task_ids))}
-        inputs = AdvantageInputs(
-            node_rewards=real.node_rewards,
-            node_index=node_idx,
-            action_mask=valid,
-            truncated=real.truncated,
-            group_ids=torch.tensor([groups[t] for t in real.task_ids], dtype=torch.long),
-        )
+        inputs = self._advantage_inputs(real)
         if values is not None:
             at_tokens, raw = values
             inputs.values, _ = gather_to_streams(real, at_tokens[:num_real_rows])
@@ -390,9 +414,24 @@ class RLStep:
         vmask = back(out.value_mask.float()).bool() if out.value_mask is not None else None
         return adv, ret, vmask
 
+    def _advantage_inputs(self, real: TrainBatch) -> AdvantageInputs:
+        """`AdvantageInputs` of the real rows (one action stream per trajectory), no values."""
+        node_idx, valid = gather_to_streams(real, real.node_index)
+        groups = {tid: i for i, tid in enumerate(dict.fromkeys(real.task_ids))}
+        return AdvantageInputs(
+            node_rewards=real.node_rewards,
+            node_index=node_idx,
+            action_mask=valid,
+            truncated=real.truncated,
+            group_ids=torch.tensor([groups[t] for t in real.task_ids], dtype=torch.long),
+        )
+
     def _critic_after_updates(self, state: StepState) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fresh values after the value updates, and how well they fit the targets."""
+        """Fresh values after the value updates, and how well they fit the targets (targets
+        still pending when no update ran, K = 0, take V_last from these values)."""
         values = self._values(state.batch)
+        if state.pending_targets is not None:
+            self._resolve_targets(state, values[1])
         returns, vmask = state.returns, state.value_mask
         state.metrics["value/explained_variance"] = explained_variance(values[0], returns, vmask)
         state.metrics["value/return_mean"] = float(returns[vmask].mean()) if vmask.any() else 0.0
@@ -400,37 +439,96 @@ class RLStep:
 
     # ---------------------------------------------------------------------- phases
     def _value_targets(self, state: StepState) -> None:
-        """VALUE_TARGETS: V_old and the value targets with the critic before its updates."""
+        """VALUE_TARGETS: the value targets with the critic before its updates.
+
+        Without a value forward when the algorithm gives value-free targets and every row that
+        bootstraps sits in the micro-batch of its trajectory's last action token (always for
+        full-history rows); the first VALUE_UPDATE then supplies V_old and V_last. Otherwise a
+        no-grad value forward gives V_old and the targets (the decision is taken over all DP
+        ranks: expert-parallel forwards are collective)."""
+        pending = self._pending_targets(state)
+        if pending is not None:
+            state.num_value_tokens = self._dp_sum(int(_pred(state.value_mask).sum()))
+            state.pending_targets = pending
+            return
         state.values = self._values(state.batch)
         _, state.returns, state.value_mask = self._advantages(state, state.values)
         state.num_value_tokens = self._dp_sum(int(_pred(state.value_mask).sum()))
+        self._explained_variance_before(state)
+
+    def _explained_variance_before(self, state: StepState) -> None:
         state.metrics["value/explained_variance_before"] = explained_variance(
             state.values[0], state.returns, state.value_mask
         )
 
+    def _pending_targets(self, state: StepState) -> _PendingTargets | None:
+        """`_PendingTargets` of the local batch, or None when a value forward is needed."""
+        b, n = state.batch, state.num_real_rows
+        real = _real_rows(b, n)
+        inputs = self._advantage_inputs(real)
+        targets = self.algorithm.value_targets(inputs)
+        if targets is None:
+            return None
+
+        def back(x):
+            full = torch.zeros(b.token_ids.shape, dtype=x.dtype)
+            full[:n] = scatter_from_streams(real, x)
+            return full
+
+        base, coef = back(targets.base), back(targets.bootstrap_coef)
+        vmask = back(targets.value_mask.to(torch.float64)).bool()
+        boot_row = torch.arange(b.num_rows)
+        boot_pos = torch.zeros(b.num_rows, dtype=torch.long)
+        last = _last_action_rows(real)  # [num_traj, 2]: row, position
+        bootstraps = coef.ne(0).any(1)
+        for r in torch.nonzero(bootstraps).flatten().tolist():
+            boot_row[r], boot_pos[r] = last[int(real.row_trajectory[r])]
+        mbs = self.cfg.micro_batch_size
+        split = bool(((boot_row // mbs) != (torch.arange(b.num_rows) // mbs)).any())
+        if self._dp_sum(float(split)) > 0:
+            return None
+        state.value_mask = vmask
+        return _PendingTargets(base=base, coef=coef, boot_row=boot_row, boot_pos=boot_pos)
+
+    def _resolve_targets(self, state: StepState, raw: torch.Tensor) -> None:
+        """V_old := raw values of the critic before its updates [R, T]; returns from them."""
+        at_tokens = torch.zeros_like(raw)
+        at_tokens[:, 1:] = raw[:, :-1]
+        state.values = (at_tokens, raw)
+        state.returns = state.pending_targets.returns(raw)
+        state.pending_targets = None
+        self._explained_variance_before(state)
+
     def _value_update(self, state: StepState) -> None:
-        """VALUE_UPDATE: one optimiser step of the clipped value loss on V_old / returns."""
+        """VALUE_UPDATE: one optimiser step of the clipped value loss on V_old / returns.
+
+        With pending targets (no VALUE_TARGETS forward) this is the first update: V_old is its
+        own forward's V (detached), so V - V_old = 0, the clip branch of the loss equals the
+        unclipped one (value and gradient, bit for bit), and the returns take V_last from the
+        same forward; afterwards V_old and the returns are kept for the next updates."""
         clip, n_value, b = self.config.sao.value_clip, state.num_value_tokens, state.batch
+        pending, mbs = state.pending_targets, self.cfg.micro_batch_size
 
         def loss_fn(outputs, mb):
             v = outputs["values"][:, :-1]  # prediction p scores the state before token p+1
             e = mb.extras
+            if pending is None:
+                old, ret = e["old_values"], e["returns"]
+            else:
+                start = int(e["row"][0])
+                old = v.detach()
+                ret = pending.returns(outputs["values"].cpu(), slice(start, start + len(v)))
+                ret = _pred(ret).to(v.device)
             loss = value_loss(
-                v,
-                e["old_values"],
-                e["returns"],
-                e["value_mask"],
-                clip=clip,
-                mode="token_mean",
-                num_tokens=n_value,
+                v, old, ret, e["value_mask"], clip=clip, mode="token_mean", num_tokens=n_value
             )
             return loss, {}
 
-        extras = {
-            "old_values": _pred(state.values[0]),
-            "returns": _pred(state.returns),
-            "value_mask": _pred(state.value_mask),
-        }
+        extras = {"value_mask": _pred(state.value_mask)}
+        if pending is None:
+            extras |= {"old_values": _pred(state.values[0]), "returns": _pred(state.returns)}
+        else:
+            extras["row"] = torch.arange(b.num_rows)
         self.value.zero_grad()
         recs = forward_backward(
             self.value.model,
@@ -438,9 +536,11 @@ class RLStep:
             self._inputs(b, extras),
             kind="value",
             loss_fn=loss_fn,
-            micro_batch_size=self.cfg.micro_batch_size,
+            micro_batch_size=mbs,
         )
         ok, grad_norm = self.value.step()
+        if pending is not None:
+            self._resolve_targets(state, self._pp_values(recs, tuple(b.token_ids.shape)))
         loss = self._dp_sum(sum(float(r["loss"]) for r in recs))
         lr = self.value.optimizer.param_groups[0]["lr"]
         state.metrics |= {  # standard names hold the last update's figures
@@ -451,6 +551,18 @@ class RLStep:
             f"value/loss_{state.value_updates}": loss,
         }
         state.value_updates += 1
+
+    def _pp_values(self, recs: list[dict], shape: tuple[int, int]) -> torch.Tensor:
+        """The value records of a forward_backward, [R, T] float32 on CPU on every PP stage."""
+        p = self.parallel
+        raw = torch.cat([r["values"] for r in recs]) if recs else None
+        if p.cfg.pp > 1:
+            pp_group = p.pg_collection.pp
+            if raw is None:
+                raw = torch.empty(shape, dtype=torch.float32, device=p.platform.device)
+            src = dist.get_global_rank(pp_group, p.cfg.pp - 1)
+            dist.broadcast(raw, src=src, group=pp_group)
+        return raw.float().cpu()
 
     def _old_logprobs(self, state: StepState) -> None:
         """OLD_LOGPROBS: l_old of the policy before this update (forward, no grad)."""
@@ -536,6 +648,17 @@ def _real_rows(b: TrainBatch, n: int) -> TrainBatch:
     """Drop the dummy padding rows appended by `_pad_rows`."""
     sub = b.rows(slice(0, n))
     return TrainBatch(**{**b.__dict__, **sub})
+
+
+def _last_action_rows(real: TrainBatch) -> torch.Tensor:
+    """[num_traj, 2] int64: (row, position) of each trajectory's last action token (the state
+    after it is the bootstrap state, as in `_last_state_values`); (0, 0) without action."""
+    out = torch.zeros(real.num_trajectories, 2, dtype=torch.long)
+    for r in range(real.num_rows):  # rows, not tokens
+        pos = torch.nonzero(real.action_mask[r]).flatten()
+        if len(pos):
+            out[int(real.row_trajectory[r])] = torch.tensor([r, int(pos[-1])])
+    return out
 
 
 def _last_state_values(real: TrainBatch, raw: torch.Tensor) -> torch.Tensor:

@@ -280,3 +280,35 @@ def test_the_documented_fourth_algorithm_runs():
         torch.testing.assert_close(got, ref)
     finally:
         registry._REGISTRY.pop("reinforce", None)
+
+
+@pytest.mark.parametrize("granularity", ["action_token", "node_last_token", "node_mean"])
+@pytest.mark.parametrize("bootstrap", [True, False])
+def test_sao_value_targets_need_no_values(granularity, bootstrap):
+    """lam_value = 1: base + coef * V_last equals the float64 loop's returns A(1) + V for any V;
+    the values are never read; coef is 0 on rows that do not bootstrap."""
+    bt = random_batch(11)
+    sao = SAOConfig(
+        advantage_granularity=granularity, gamma=0.9, lam_policy=0.8, bootstrap_truncated=bootstrap
+    )
+    inputs = _inputs(bt, values=False)
+    tg = build(sao=sao).value_targets(inputs)
+    assert inputs.values is None  # not read, not filled in
+    if granularity == "action_token":
+        _, ref_ret = ref_token_gae(bt, 0.9, 0.8, 1.0, bootstrap)
+        vmask = bt.action_mask
+    else:
+        mode = "last_token" if granularity == "node_last_token" else "mean"
+        _, ref_ret, vmask = ref_node_gae(bt, 0.9, 0.8, 1.0, bootstrap, mode)
+    assert torch.equal(tg.value_mask, vmask)
+    got = tg.base + tg.bootstrap_coef * bt.bootstrap_values[:, None]
+    torch.testing.assert_close(got[vmask], ref_ret[vmask].to(torch.float64), rtol=1e-12, atol=1e-12)
+    bootstraps = bt.truncated & bootstrap
+    assert not tg.bootstrap_coef[~bootstraps].any()
+    assert bool(tg.bootstrap_coef[bootstraps][vmask[bootstraps]].gt(0).all())
+
+
+def test_value_targets_need_values_below_lam_value_one():
+    bt = random_batch(11)
+    assert build(sao=SAOConfig(lam_value=0.95)).value_targets(_inputs(bt)) is None
+    assert build(name="grpo").value_targets(_inputs(bt)) is None

@@ -80,11 +80,14 @@ def _check_model(cfg, parallel):
 
 def test_flops_match_flop_counter(tiny_moe, parallel_1rank):
     pf, vf = _check_model(tiny_moe, parallel_1rank)
-    # the SAO phases: K value updates between two no-grad value forwards, one policy update
+    # the SAO phases: K value updates (the first gives V_old), a no-grad value forward, one
+    # policy update; with lam_value != 1 one no-grad forward more before the updates
     fl = bench.step_flops(tiny_moe, ROWS, SEQ, 2, pf, vf)
     fv = sum(bench.forward_flops(tiny_moe, ROWS, SEQ, "value").values())
     bv = sum(bench.backward_flops(tiny_moe, ROWS, SEQ, "value", vf).values())
-    assert fl["value_phase"] == 4 * fv + 2 * bv
+    assert fl["value_phase"] == 3 * fv + 2 * bv
+    with_targets = bench.step_flops(tiny_moe, ROWS, SEQ, 2, pf, vf, targets_forward=True)
+    assert with_targets["value_phase"] == 4 * fv + 2 * bv
     assert fl["train_step"] == fl["value_phase"] + fl["policy_update"]
 
 
@@ -140,7 +143,8 @@ def test_aggregate_is_time_weighted():
 
 def test_sao_phases_match_flop_counter(monkeypatch, parallel_1rank):
     """Everything RLStep.train_step / value_step multiplies, minus the advantage scan (not model
-    FLOPs), equals `step_flops`: (K + 2) value forwards, K value backwards, 1 policy update."""
+    FLOPs), equals `step_flops`: (K + 1) value forwards, K value backwards, 1 policy update
+    (lam_value = 1: no forward before the value updates)."""
     from sao_megatron.configs import load_config
     from sao_megatron.trainer.job import JobConfig
     from tests.conftest import tiny_moe_kwargs
@@ -156,15 +160,18 @@ def test_sao_phases_match_flop_counter(monkeypatch, parallel_1rank):
     want = bench.step_flops(job.model, 4, 16, k, pf, vf)
 
     scan_flops = []
-    original = step.algorithm.advantages
 
-    def counted_advantages(*args, **kwargs):
-        with FlopCounterMode(display=False) as inner:  # nested: the outer counter sees it too
-            out = original(*args, **kwargs)
-        scan_flops.append(inner.get_total_flops())
-        return out
+    def counted(original):
+        def call(*args, **kwargs):
+            with FlopCounterMode(display=False) as inner:  # nested: the outer one sees it too
+                out = original(*args, **kwargs)
+            scan_flops.append(inner.get_total_flops())
+            return out
 
-    monkeypatch.setattr(step.algorithm, "advantages", counted_advantages)
+        return call
+
+    for name in ("advantages", "value_targets"):  # the GAE scans: not model FLOPs
+        monkeypatch.setattr(step.algorithm, name, counted(getattr(step.algorithm, name)))
     for phase in ("train_step", "value_phase"):
         scan_flops.clear()
         with FlopCounterMode(display=False) as outer:

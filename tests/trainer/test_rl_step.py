@@ -203,3 +203,163 @@ def test_dp_sharding_keeps_groups_and_balances():
         for tid in tids:  # whole group on this rank
             assert all(t in ts.tolist() for t, x in enumerate(batch.task_ids) if x == tid)
     assert sorted(seen) == list(range(batch.num_trajectories))
+
+
+# ------------------------------------------------------------------ no redundant value passes
+def _sao_setup(tiny_moe, parallel, algo_cfg=None, mbs=4):
+    """Fresh, seeded policy/value train states and an SAO RLStep (same weights every call)."""
+    torch.manual_seed(1234)
+    prec = PrecisionConfig()
+    policy = build_policy(tiny_moe, parallel, prec)
+    value = build_value_model(tiny_moe, parallel, prec)
+    init_value_from_policy(value[0], policy[0].state_dict())
+    apply_freeze(value, VALUE_DEFAULT_FREEZE_PATTERNS)
+    p_state = build_optimizer(policy, parallel, OptimizerConfig(lr=1e-3), prec)
+    v_state = build_optimizer(value, parallel, OptimizerConfig(lr=5e-3), prec)
+    algo = registry.build(algo_cfg or AlgorithmConfig())
+    step = RLStep(algo, parallel, p_state, v_state, StepConfig(micro_batch_size=mbs))
+    return step, p_state, v_state
+
+
+def _truncated_batch(step, parallel, seed=3):
+    trajs = _random_trajectories(7, seed)
+    for i, t in enumerate(trajs):  # rows 0, 3, 6 truncated: they bootstrap from V(last state)
+        t.truncated, t.terminated = i % 3 == 0, i % 3 != 0
+    return _with_policy_behaviour(step.policy.model, parallel, trajs, noise=0.2)
+
+
+def _count_value_passes(monkeypatch):
+    """Patch rl_step's model calls; returns a list that records 'fwd' / 'fwd+bwd' per pass."""
+    import sao_megatron.trainer.rl_step as rl
+
+    calls = []
+    fb, cv = rl.forward_backward, rl.compute_values
+
+    def counted_fb(*a, kind, **kw):
+        if kind == "value":
+            calls.append("fwd+bwd")
+        return fb(*a, kind=kind, **kw)
+
+    def counted_cv(*a, **kw):
+        calls.append("fwd")
+        return cv(*a, **kw)
+
+    monkeypatch.setattr(rl, "forward_backward", counted_fb)
+    monkeypatch.setattr(rl, "compute_values", counted_cv)
+    return calls
+
+
+def _run_two_steps(step, parallel, seeds=(3, 4)):
+    out = []
+    for k, s in enumerate(seeds):
+        m = step.train_step(_truncated_batch(step, parallel, s), train_version=k)
+        out.append({n: v for n, v in m.items() if not n.startswith("time/")})
+    return out
+
+
+@pytest.mark.parametrize(
+    "sao", [{}, {"gamma": 0.9, "advantage_granularity": "node_mean", "value_clip": 0.05}]
+)
+def test_sao_first_update_gives_v_old(tiny_moe, parallel_1rank, monkeypatch, sao):
+    """lam_value = 1: K + 1 value forwards (no VALUE_TARGETS forward), and the same step, bit
+    for bit, as the path with a no-grad V_old forward (forced by value_targets -> None), with
+    truncated rows bootstrapping from V(last state)."""
+    from sao_megatron.algorithm.config import SAOConfig
+
+    cfg = AlgorithmConfig(sao=SAOConfig(**sao))
+    calls = _count_value_passes(monkeypatch)
+    fast, _, v_fast = _sao_setup(tiny_moe, parallel_1rank, cfg)
+    got = _run_two_steps(fast, parallel_1rank)
+    assert calls == ["fwd+bwd", "fwd+bwd", "fwd"] * 2  # K updates, then the fresh critic
+    calls.clear()
+    ref, _, v_ref = _sao_setup(tiny_moe, parallel_1rank, cfg)
+    monkeypatch.setattr(ref.algorithm, "value_targets", lambda inputs: None)
+    want = _run_two_steps(ref, parallel_1rank)
+    assert calls == ["fwd", "fwd+bwd", "fwd+bwd", "fwd"] * 2
+    assert got == want
+    assert math.isfinite(got[0]["value/explained_variance_before"])
+    for (n, a), (_, b) in zip(
+        v_fast.model[0].named_parameters(), v_ref.model[0].named_parameters(), strict=True
+    ):
+        assert torch.equal(a, b), n
+
+
+def test_sao_lam_value_below_one_keeps_the_targets_forward(tiny_moe, parallel_1rank, monkeypatch):
+    from sao_megatron.algorithm.config import SAOConfig
+
+    calls = _count_value_passes(monkeypatch)
+    step, _, _ = _sao_setup(tiny_moe, parallel_1rank, AlgorithmConfig(sao=SAOConfig(lam_value=0.9)))
+    step.train_step(_truncated_batch(step, parallel_1rank), train_version=0)
+    assert calls == ["fwd", "fwd+bwd", "fwd+bwd", "fwd"]
+
+
+def test_sao_without_value_updates(tiny_moe, parallel_1rank, monkeypatch):
+    """K = 0: the targets take V_last from the fresh forward, as the critic never changed; the
+    'before' and 'after' explained variances are then the same figure."""
+    from sao_megatron.algorithm.config import SAOConfig
+
+    cfg = AlgorithmConfig(sao=SAOConfig(value_updates_per_policy_update=0))
+    calls = _count_value_passes(monkeypatch)
+    step, _, _ = _sao_setup(tiny_moe, parallel_1rank, cfg)
+    m = step.train_step(_truncated_batch(step, parallel_1rank), train_version=0)
+    assert calls == ["fwd"]
+    assert m["value/explained_variance_before"] == m["value/explained_variance"]
+    ref, _, _ = _sao_setup(tiny_moe, parallel_1rank, cfg)
+    monkeypatch.setattr(ref.algorithm, "value_targets", lambda inputs: None)
+    want = ref.train_step(_truncated_batch(ref, parallel_1rank), train_version=0)
+    drop = ("time/",)
+    assert {k: v for k, v in m.items() if not k.startswith(drop)} == {
+        k: v for k, v in want.items() if not k.startswith(drop)
+    }
+
+
+def test_frozen_value_parameters_get_no_gradient_buffer(tiny_moe, parallel_1rank):
+    """Megatron DDP allocates main_grad only for requires_grad parameters, and frozen linear
+    layers go through LinearWithFrozenWeight (no weight gradient): after a step the frozen
+    parameters have neither .grad nor .main_grad, the trainable ones have main_grad."""
+    step, _, v_state = _sao_setup(tiny_moe, parallel_1rank)
+    step.train_step(_truncated_batch(step, parallel_1rank), train_version=0)
+    frozen = trainable = 0
+    for n, p in v_state.model[0].named_parameters():
+        if p.requires_grad:
+            trainable += 1
+            assert getattr(p, "main_grad", None) is not None, n
+        else:
+            frozen += 1
+            assert p.grad is None and getattr(p, "main_grad", None) is None, n
+    assert frozen > 0 and trainable > 0
+
+
+def _v_old_worker(rank: int, world_size: int, out_dir: str) -> None:
+    """The golden SAO steps at PP=2 and DP=2, with V_old from the first update's forward and
+    with the no-grad V_old forward forced (value_targets -> None)."""
+    from sao_megatron.algorithm.sao import SAO
+    from tests.golden import golden_worker
+
+    results = {}
+    for name, pkw in (("pp2", {"pp": 2}), ("dp2", {})):
+        results[f"{name}/fast"] = golden_worker.run("sao", pkw)
+        original = SAO.value_targets
+        SAO.value_targets = lambda self, inputs: None
+        try:
+            results[f"{name}/forward"] = golden_worker.run("sao", pkw)
+        finally:
+            SAO.value_targets = original
+    torch.save(results, f"{out_dir}/rank{rank}.pt")
+
+
+@pytest.mark.distributed
+def test_v_old_from_the_first_update_across_ranks(tmp_path):
+    """PP=2 (values broadcast from the last stage) and DP=2 (the forward decision all-reduced):
+    the same losses, metrics and trained log-probs bit for bit as with the V_old forward."""
+    from tests.conftest import launch
+
+    launch(_v_old_worker, 2, str(tmp_path))
+    for rank in range(2):
+        res = torch.load(tmp_path / f"rank{rank}.pt")
+        for name in ("pp2", "dp2"):
+            fast, ref = res[f"{name}/fast"], res[f"{name}/forward"]
+            assert fast["probe_logprobs"] == ref["probe_logprobs"], (name, rank)
+            for a, b in zip(fast["steps"], ref["steps"], strict=True):
+                same = {k for k in b if a[k] == b[k] or (math.isnan(a[k]) and math.isnan(b[k]))}
+                assert same == set(b), (name, rank, sorted(set(b) - same))
