@@ -223,9 +223,7 @@ class Controller:
         if self.rank0:  # the config this run trains with, next to its outputs
             (self.run_dir / "config.yaml").write_text(to_yaml(self.job))
         self.formatter = build_formatter(self.tokenizer, self.job.episode)
-        self.hf_config = runtime.hf_config_for(
-            self.job.model, self.tokenizer, self.job.precision.params_dtype
-        )
+        self.hf_config = runtime.job_hf_config(self.job, self.tokenizer)
         self.spec = ConversionSpec.from_hf_config(self.hf_config)
 
     def run(self) -> dict[str, float]:

@@ -7,6 +7,7 @@ value pre-training, RL) and the rules that span components. YAML files under
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +26,65 @@ from sao_megatron.trainer.checkpoint import CheckpointConfig
 from sao_megatron.trainer.metrics import LoggingConfig
 
 STAGES = ("sft", "value_pretrain", "rl")
+
+# MoEModelConfig fields a job starting from an HF model may still set itself: training-only
+# settings that config.json does not describe (max_position_embeddings may only be lowered).
+HF_INIT_FREE_FIELDS = ("moe_token_dispatcher_type", "router_aux_loss_coef", "initializer_range")
+
+
+def _default_model() -> MoEModelConfig:
+    return MoEModelConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        max_position_embeddings=2048,
+    )
+
+
+def model_from_hf(user: MoEModelConfig, hf_dir: str) -> MoEModelConfig:
+    """The model config of a job that starts from the HF model in `hf_dir` (``init_from_hf``).
+
+    Architecture fields come from ``hf_dir/config.json`` through the converter's
+    ``model_config_from_hf`` (MoE families and dense Qwen2/Qwen3/Llama, tied embeddings
+    included). A field of `user` that differs from the job's default model counts as set by the
+    user: it must equal the HF value, except the training-only ``HF_INIT_FREE_FIELDS`` (kept)
+    and ``max_position_embeddings`` (kept when not above the HF value).
+
+    Raises:
+        ValueError: no config.json, an unsupported architecture, or a user-set field that
+            conflicts with config.json (names ``model.<field>``, both values and the fix).
+    """
+    from sao_megatron.convert.hf_io import read_hf_config
+    from sao_megatron.convert.model_config import model_config_from_hf
+
+    try:
+        hf = model_config_from_hf(read_hf_config(hf_dir))
+    except FileNotFoundError as exc:
+        raise ValueError(f"init_from_hf={hf_dir!r}: {exc}") from None
+    default, keep, conflicts = _default_model(), {}, []
+    for f in dataclasses.fields(MoEModelConfig):
+        mine, theirs = getattr(user, f.name), getattr(hf, f.name)
+        if mine == getattr(default, f.name) or mine == theirs:
+            continue
+        if f.name in HF_INIT_FREE_FIELDS or (
+            f.name == "max_position_embeddings" and mine <= theirs
+        ):
+            keep[f.name] = mine
+        else:
+            conflicts.append(f"model.{f.name}={mine!r} but config.json gives {theirs!r}")
+    if conflicts:
+        raise ValueError(
+            f"init_from_hf={hf_dir!r}: the model comes from its config.json; "
+            + "; ".join(conflicts)
+            + ": remove these model fields from the config (or set them to config.json's values)"
+        )
+    return dataclasses.replace(hf, **keep)
 
 
 @dataclass(kw_only=True)
@@ -165,25 +225,19 @@ class JobConfig:
         run_dir: where metrics, checkpoints, exported weights, logs and plots go.
         stages: which stages to run, in order: any of "sft", "value_pretrain", "rl".
         seed: base seed (parallel.seed is the Megatron RNG seed).
+        init_from_hf: a Hugging Face model folder (config.json + safetensors, e.g.
+            ``.cache/models/SmolLM2-135M-Instruct``) the policy (and through it the critic's
+            trunk) starts from, instead of a random init; None = random init. The model
+            section is then read from its config.json (`model_from_hf`), the weights are loaded
+            by the converter (`sao_megatron.convert.model_io.load_hf_into_model`, any TP/PP/EP
+            layout it supports), and the tokenizer must be ``kind: hf`` with the same folder.
     """
 
     run_dir: str = "runs/default"
     stages: list[str] = field(default_factory=lambda: list(STAGES))
     seed: int = 0
-    model: MoEModelConfig = field(
-        default_factory=lambda: MoEModelConfig(
-            vocab_size=1024,
-            hidden_size=256,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=256,
-            max_position_embeddings=2048,
-        )
-    )
+    init_from_hf: str | None = None
+    model: MoEModelConfig = field(default_factory=_default_model)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     policy_optim: OptimizerConfig = field(
@@ -212,6 +266,17 @@ class JobConfig:
         order = [STAGES.index(s) for s in self.stages]
         if order != sorted(order) or len(set(order)) != len(order):
             raise ValueError(f"stages={self.stages}: list each stage once, in the order {STAGES}")
+        if self.init_from_hf is not None:
+            self.model = model_from_hf(self.model, self.init_from_hf)
+            same = self.tokenizer.path and Path(self.tokenizer.path).resolve() == (
+                Path(self.init_from_hf).resolve()
+            )
+            if self.tokenizer.kind != "hf" or not same:
+                raise ValueError(
+                    f"init_from_hf={self.init_from_hf!r} needs the model's own tokenizer: set "
+                    f"tokenizer.kind=hf and tokenizer.path={self.init_from_hf} (got "
+                    f"kind={self.tokenizer.kind!r}, path={self.tokenizer.path!r})"
+                )
         algorithm = registry.build(self.algorithm)
         if "value_pretrain" in self.stages and not algorithm.needs_value_model:
             raise ValueError(

@@ -10,6 +10,14 @@ import logging
 
 import torch
 
+from sao_megatron.convert.hf_io import (
+    HFCheckpointReader,
+    atomic_output_dir,
+    read_hf_config,
+    write_sharded_safetensors,
+)
+from sao_megatron.convert.model_io import load_hf_into_model, megatron_to_hf_tensors
+from sao_megatron.convert.spec import ConversionSpec
 from sao_megatron.data.demonstrations import train_tokenizer_for_envs
 from sao_megatron.data.tokenizer import Tokenizer, load_tokenizer, save_tokenizer
 from sao_megatron.models import (
@@ -82,6 +90,38 @@ def fit_vocab_to_tokenizer(job: JobConfig, tokenizer: Tokenizer, tp: int) -> Job
     )
 
 
+_HF_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def job_hf_config(job: JobConfig, tokenizer: Tokenizer) -> dict:
+    """The ``config.json`` the exported policy (and so the rollout engines) uses: the HF model's
+    own (its ``torch_dtype`` set to the training dtype) when the job starts from one
+    (``init_from_hf``), else the Qwen3-MoE config of `hf_config_for`."""
+    dtype = job.precision.params_dtype
+    if job.init_from_hf is None:
+        return hf_config_for(job.model, tokenizer, dtype)
+    hf = read_hf_config(job.init_from_hf)
+    hf.pop("dtype", None)
+    return hf | {"torch_dtype": _HF_DTYPE[dtype]}
+
+
+@torch.no_grad()
+def init_policy_from_hf(chunks: list[torch.nn.Module], hf_dir: str, spec: ConversionSpec) -> None:
+    """Copy the HF weights of `hf_dir` into this rank's policy chunks, in place.
+
+    The converter's loader (`load_hf_into_model`, as ``sao-convert hf-to-megatron``): each rank
+    reads only its own shards (TP slices, its pipeline stage's layers, its EP rank's experts),
+    one tensor at a time; a tied output layer gets the embedding. Call before the optimiser is
+    built (it copies the parameters into its fp32 main weights).
+
+    Raises:
+        ValueError: HF tensors missing/unexpected or shapes that do not match the model.
+    """
+    with HFCheckpointReader(hf_dir) as reader:
+        for chunk in chunks:
+            load_hf_into_model(chunk, reader, spec)
+
+
 def hf_config_for(model: MoEModelConfig, tokenizer: Tokenizer, dtype: str) -> dict:
     """The HF ``config.json`` of a from-scratch model (`MoEModelConfig.to_hf_config`) with the
     tokenizer's special ids and the ``precision.params_dtype`` name (fp32/bf16/fp16)."""
@@ -97,11 +137,15 @@ def build_policy_state(
     job: JobConfig, parallel: ParallelState, optim: OptimizerConfig, init_from=None
 ) -> TrainState:
     """Policy chunks + Megatron DDP/optimiser/LR schedule; weights copied from `init_from`
-    (unwrapped chunks of the same layout) when given."""
+    (unwrapped chunks of the same layout) when given, else from the HF model of
+    ``job.init_from_hf`` when set (`init_policy_from_hf`), else the random init."""
     chunks = build_policy(job.model, parallel, job.precision)
     if init_from is not None:
         for new, old in zip(chunks, init_from, strict=True):
             new.load_state_dict(old.state_dict())
+    elif job.init_from_hf is not None:
+        hf_config = read_hf_config(job.init_from_hf)
+        init_policy_from_hf(chunks, job.init_from_hf, ConversionSpec.from_hf_config(hf_config))
     return build_optimizer(chunks, parallel, optim, job.precision)
 
 
