@@ -12,11 +12,9 @@ import torch
 
 from sao_megatron.convert.hf_io import (
     HFCheckpointReader,
-    atomic_output_dir,
     read_hf_config,
-    write_sharded_safetensors,
 )
-from sao_megatron.convert.model_io import load_hf_into_model, megatron_to_hf_tensors
+from sao_megatron.convert.model_io import load_hf_into_model
 from sao_megatron.convert.spec import ConversionSpec
 from sao_megatron.data.demonstrations import train_tokenizer_for_envs
 from sao_megatron.data.tokenizer import Tokenizer, load_tokenizer, save_tokenizer
