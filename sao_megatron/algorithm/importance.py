@@ -50,7 +50,7 @@ def dis_band_weights(
     """SAO direct importance sampling band: f(r) = r if 1 - eps_low < r < 1 + eps_high, else 0.
 
     Tokens outside the open band are dropped (weight 0), not clipped. Source: SAO (arXiv
-    2607.07508), DIS objective; DESIGN.md section 3. Defaults eps_low = 0.3, eps_high = 5.0.
+    2607.07508), DIS objective; docs/ARCHITECTURE.md. Defaults eps_low = 0.3, eps_high = 5.0.
     """
     mask = action_mask.to(torch.bool)
     lr = log_ratio(target_logprobs, behaviour_logprobs, mask)

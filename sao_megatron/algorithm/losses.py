@@ -96,7 +96,7 @@ def dis_policy_loss(
 
     r_t = exp(l_theta_t - l_b_t) with l_theta the trainer's current log-prob (no recomputed old
     log-probs); f(r) = r inside (1 - eps_low, 1 + eps_high), 0 outside (dropped tokens stay in N).
-    Source: SAO (arXiv 2607.07508), DIS objective; DESIGN.md section 3.
+    Source: SAO (arXiv 2607.07508), DIS objective; docs/ARCHITECTURE.md.
     Shapes: logprobs, behaviour_logprobs, advantages [B, T] float; action_mask [B, T] bool.
     """
     w = dis_band_weights(logprobs, behaviour_logprobs, action_mask, eps_low, eps_high).weights
@@ -163,7 +163,7 @@ def value_loss(
 
     With clip=None: 0.5 (V - R)^2. value_mask [B, T] bool selects the positions (action tokens or
     node positions, from AdvantageOutput.value_mask); num_tokens counts that mask globally.
-    Source: PPO2 value clipping (OpenAI baselines, Dhariwal et al. 2017); DESIGN.md section 3.
+    Source: PPO2 value clipping (OpenAI baselines, Dhariwal et al. 2017); docs/ARCHITECTURE.md.
     """
     values, old, ret = _zero_off(value_mask, values, old_values.detach(), returns.detach())
     unclipped = (values - ret) ** 2

@@ -1,4 +1,4 @@
-"""SAO: single-trajectory asynchronous optimisation (arXiv 2607.07508; DESIGN.md section 3).
+"""SAO: single-trajectory asynchronous optimisation (arXiv 2607.07508; docs/ARCHITECTURE.md).
 
 Choices, in the order a train step runs them:
 

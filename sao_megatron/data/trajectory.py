@@ -5,7 +5,7 @@ A `Trajectory` is one episode of an agent against an environment: an ordered lis
 the behaviour policy's log-probability and weight version for every one of those tokens, and the
 reward the environment returned after the action.
 
-Token layout (see DESIGN.md section 4, "Trajectory contract"):
+Token layout (see docs/ARCHITECTURE.md, "Trajectory contract"):
 
 * ``observation_token_ids`` of node n are the tokens appended to the context *before* action n
   and *after* action n-1: the prompt for node 0, the environment's observation text for later

@@ -1,6 +1,6 @@
 """Trajectory buffer with bounded staleness and a double-buffered hand-off to the trainer.
 
-Off-policy control (DESIGN.md section 3, docs/ROLLOUT.md "Bounded staleness") is bounded at
+Off-policy control (docs/ARCHITECTURE.md, docs/ROLLOUT.md "Bounded staleness") is bounded at
 admission and per token; episodes are never aborted for staleness mid-flight (a long episode
 would then never finish: issue 19). The buffer does admission and the hand-off check:
 

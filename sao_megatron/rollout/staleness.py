@@ -14,7 +14,7 @@ Bounded staleness (docs/ROLLOUT.md, "Bounded staleness") is enforced in three pl
    log-probs as before.
 
 The lag of one token is ``train_version - policy_version``: the number of weight updates
-between the policy that sampled it and the policy being trained (DESIGN.md section 3).
+between the policy that sampled it and the policy being trained (docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Run it with the vLLM virtualenv's Python (it has transformers), from the reposit
 
     PYTHONPATH=. .venv-vllm/bin/python -m sao_megatron.rollout.tiny_model OUT_DIR [--seed 0]
 
-The shape suits both Megatron and vLLM's CPU backend (DESIGN.md section 5): head_dim 64 (a head
+The shape suits both Megatron and vLLM's CPU backend (docs/ARCHITECTURE.md): head_dim 64 (a head
 size the CPU attention kernel takes), 8 experts top-2, MoE ffn 128 (a multiple of 32, so the CPU
 MoE kernel packs the experts without padding). About 3M parameters. No tokenizer files are
 written: the rollout is token-in/token-out and the server runs with ``--skip-tokenizer-init``.

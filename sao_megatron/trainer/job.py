@@ -155,7 +155,7 @@ class ValueModelConfig:
 
     Fields:
         freeze_patterns: regexes over parameter names (re.search) frozen in the value model;
-            default: self-attention and embeddings (DESIGN.md section 3).
+            default: self-attention and embeddings (docs/ARCHITECTURE.md).
         head_init_std: std of the value head's normal initialisation.
     """
 
