@@ -26,7 +26,6 @@ from sao_megatron.rollout.gateway import (
     parse_tool_calls,
     run_agent_episode,
 )
-from sao_megatron.rollout.manager import RolloutManager
 from sao_megatron.rollout.runner import EpisodeError
 from sao_megatron.rollout.status import (
     EnvStepError,
@@ -520,78 +519,6 @@ def test_call_step_async_sync_timeout_and_error():
             await call_step(lambda: 1 / 0)
 
     asyncio.run(main())
-
-
-# ====================================================================== the manager's hook
-class AgentHookManager(RolloutManager):
-    """RolloutManager with the agent hook proposed for manager.py (`_run_one`): an environment
-    that has `run_episode` (an AgentEnvironment) runs itself through the gateway."""
-
-    async def _run_one(self, task, group_index, attempt):
-        env = task.make_env()
-        if not hasattr(env, "run_episode"):
-            return await super()._run_one(task, group_index, attempt)
-        episode_id = f"{task.task_id}#{group_index}@{attempt}"
-
-        async def generate(eid, prompt, max_tokens, seed):
-            return await self._generate(eid, prompt, max_tokens, seed)
-
-        try:
-            traj = await env.run_episode(
-                seed=task.seed,
-                task_id=task.task_id,
-                formatter=self.formatter,
-                generate=generate,
-                config=self.config,
-                group_index=group_index,
-                episode_id=episode_id,
-            )
-        finally:
-            self.router.forget(episode_id)
-        traj.info["attempt"] = attempt
-        return traj
-
-
-def test_rollout_manager_runs_agent_episodes(formatter, tmp_path):
-    """The real manager (router, buffer, fake engines) runs the calculator agent through the
-    gateway; agents that fail (every third seed raises) are dropped, never batched."""
-    from sao_megatron.rollout.manager import agent_tasks
-    from tests.rollout.fakes import FakeEngine, FakeEngineClient
-
-    async def flaky(task, client):
-        if task["seed"] % 3 == 0:
-            raise RuntimeError("agent crashed")
-        return await calc.run(task, client)
-
-    def make_task(seed):
-        return {**calc.make_task(seed), "seed": seed}
-
-    FakeEngineClient.registry = {"http://fake0": FakeEngine("engine0", vocab=300)}
-    cfg = RolloutConfig(
-        engine_urls=["http://fake0"],
-        max_model_len=1024,
-        max_tokens_per_action=16,
-        trajectories_per_batch=4,
-        max_concurrent_episodes=4,
-        request_timeout_s=5.0,
-        seed=0,
-    )
-    tasks = agent_tasks("calc", lambda: AgentEnvironment(flaky, make_task, step_timeout_s=5.0))
-    try:
-        m = AgentHookManager(
-            cfg, formatter, tasks, client_factory=FakeEngineClient, run_dir=tmp_path
-        )
-        with m:
-            batch = m.get_batch(train_version=0, timeout=30)
-            stats = m.stats()
-    finally:
-        FakeEngineClient.registry = {}
-    assert len(batch) == 4
-    for t in batch:
-        assert t.info["status"] == "completed" and int(t.task_id.split("/")[1]) % 3 != 0
-        assert t.nodes[0].action_token_ids[-1] == formatter.end_of_turn_id
-        t.validate()
-    assert stats["rollout/failed_groups"] >= 1
 
 
 # ====================================================================== a real vLLM engine

@@ -39,5 +39,9 @@ def test_manager_runs_agents_and_counts_statuses(formatter, tmp_path):  # noqa: 
         FakeEngineClient.registry = {}
     assert len(batch) == 4
     assert all(t.status == "completed" and int(t.task_id.split("/")[1]) % 3 for t in batch)
+    for t in batch:
+        assert t.nodes[0].action_token_ids[-1] == formatter.end_of_turn_id
+        t.validate()
+    assert stats["rollout/failed_groups"] >= 1
     assert stats["episodes/agent_error"] >= 1 and stats["episodes/completed"] >= 4
     assert stats["episodes/engine_error"] == stats["episodes/timeout"] == 0
