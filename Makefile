@@ -33,10 +33,11 @@ vllm: $(VLLM_VENV)/.installed
 $(VLLM_VENV)/.installed: tools/install_vllm.sh
 	VENV=$(VLLM_VENV) bash tools/install_vllm.sh
 
-test: install vllm
+# The tests use the real model (tests/real_model, the SmolLM2 example config): `smollm2` first.
+test: install vllm smollm2
 	$(PY) -m pytest -q --timeout=1200 $(PYTEST_ARGS)
 
-test-fast: install
+test-fast: install smollm2
 	$(PY) -m pytest -q -m "not distributed and not integration and not vllm" $(PYTEST_ARGS)
 
 lint: install

@@ -99,11 +99,18 @@ def engines(vllm_servers, tiny_models):
     """The session's servers; afterwards both are back on the original weights, version 0."""
     yield vllm_servers
 
+    # A test that failed half-way may leave an engine dead or mid-restart: start it again so one
+    # failure does not cascade into every later test of the session.
+    for p in vllm_servers:
+        if not p.is_alive():
+            p.stop()
+            p.start()
+        p.wait_ready()
+
     async def restore():
         for p in vllm_servers:
-            if p.is_alive():
-                c = EngineClient(p.url, f"engine{p.index}")
-                await sync_engine(c, tiny_models[0] / "model.safetensors", 0)
-                await c.aclose()
+            c = EngineClient(p.url, f"engine{p.index}")
+            await sync_engine(c, tiny_models[0] / "model.safetensors", 0)
+            await c.aclose()
 
     asyncio.run(restore())

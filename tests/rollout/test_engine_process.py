@@ -96,7 +96,7 @@ def _launcher_script(tmp_path, cls: str, then: str) -> str:
         t = Path({str(tmp_path)!r})
         p = {cls}(make_cfg(t), 0, t, t / "run")
         p.start()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 300
         while len(group_members(p.proc.pid)) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)  # supervisor, server and the server's child are up
         print(p.proc.pid, flush=True)
