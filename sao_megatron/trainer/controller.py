@@ -241,6 +241,7 @@ class Controller:
     def sft_stage(self):
         job, p = self.job, self.parallel
         state = runtime.build_policy_state(job, p, job.sft.optim)
+        runtime.mask_vocab_padding(state.unwrapped, self.hf_config["vocab_size"], p)
         seqs = demonstration_sequences(job.demonstrations, self.formatter)
         sampler = SequenceSampler(len(seqs), seed=job.seed)
         mgr, step = self._ckpt("sft"), 0
@@ -284,6 +285,8 @@ class Controller:
                 policy_chunks = build_policy(job.model, p, job.precision)
                 self._ckpt("sft").load(sft, {"policy": policy_chunks[0].sharded_state_dict()})
         policy = runtime.build_policy_state(job, p, job.policy_optim, init_from=policy_chunks)
+        # padding rows past the served vocabulary stay out of the trainer's softmax
+        runtime.mask_vocab_padding(policy.unwrapped, self.hf_config["vocab_size"], p)
         value = None
         if self.algorithm.needs_value_model:
             value = runtime.build_value_state(job, p, policy.unwrapped)
