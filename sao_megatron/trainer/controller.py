@@ -33,7 +33,7 @@ from sao_megatron.models import build_policy
 from sao_megatron.parallel.collectives import broadcast_from_last_stage, broadcast_from_rank0
 from sao_megatron.parallel.state import ParallelState
 from sao_megatron.rollout.manager import RolloutManager, Task
-from sao_megatron.trainer import runtime, signals
+from sao_megatron.trainer import report, runtime, signals
 from sao_megatron.trainer.checkpoint import CheckpointManager, CommonState, step_dir_name
 from sao_megatron.trainer.evaluate import evaluate
 from sao_megatron.trainer.job import JobConfig, TasksConfig
@@ -230,13 +230,49 @@ class Controller:
     def run(self) -> dict[str, float]:
         self.prepare()
         job = self.job
+        # a resumed or re-run job keeps what earlier runs measured (before-RL figures)
+        self.summary = broadcast_from_rank0(
+            report.read_summary(self.run_dir) if self.rank0 else None
+        )
         rl_resume = self._ckpt("rl").resolve_resume() if "rl" in job.stages else None
+        if self._finished(rl_resume):
+            return self.summary
         policy = None
         if "sft" in job.stages and rl_resume is None:
             policy = self.sft_stage()
         if {"value_pretrain", "rl"} & set(job.stages):
             self.rl_stage(policy, rl_resume)
         return self.summary
+
+    def _finished(self, rl_resume: Path | None) -> bool:
+        """True (and says so) when the RL stage already ended at its latest checkpoint: its
+        final export, evaluation and summary were written (``summary.json``'s ``rl/steps_done``
+        is that checkpoint's step, and the step is ``rl.steps`` or a time budget ended it).
+        Re-running such a job starts no engine and evaluates nothing."""
+        if rl_resume is None:
+            return False
+        step = _step_of(rl_resume)
+        done = self.summary.get("rl/steps_done")
+        ended = step >= self.job.rl.steps or self.job.rl.time_budget_s > 0
+        if done is None or int(done) != step or not ended:
+            return False
+        if self.rank0:
+            log.info(
+                "nothing to do: the RL stage finished at step %d (checkpoint %s); final policy "
+                "%s, summary %s. Use a new run_dir (or raise rl.steps) to train more.",
+                step,
+                rl_resume,
+                self.run_dir / "hf_policy_final",
+                self.run_dir / report.SUMMARY_FILE,
+            )
+        return True
+
+    def _log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """Held-out evaluation figures into run_dir/rl's metrics.jsonl and TensorBoard at
+        `step` (the policy version evaluated: 0 before RL, the last step after it)."""
+        cfg = dataclasses.replace(self.job.logging, console=False)
+        with MetricsLogger(cfg, self.run_dir / "rl", is_logging_rank=self.rank0) as logger:
+            logger.log(step, metrics, force=True)
 
     def sft_stage(self):
         job, p = self.job, self.parallel
@@ -249,6 +285,8 @@ class Controller:
             res = self._load(mgr, path, {"policy": state})
             step, cursor = res.common.train_step, res.common.data_cursor
             sampler.epoch, sampler.index = cursor["epoch"], cursor["index"]
+            if self.rank0:
+                log.info("SFT: resumed from checkpoint %s at step %d/%d", path, step, job.sft.steps)
         m: dict[str, float] = {}
         with self._logger("sft", job.sft.steps, step) as logger:
             while step < job.sft.steps:
@@ -299,6 +337,17 @@ class Controller:
             common = self._load(mgr, resume_path, states).common
             run.load_state_dict(common.extra["rl_run_state"])
             self.tasks.load_state_dict(common.data_cursor)
+            if self.rank0:
+                log.info(
+                    "RL: resumed from checkpoint %s at step %d/%d (policy version %d, %d value "
+                    "pre-training steps done, %d tasks consumed)",
+                    resume_path,
+                    run.step,
+                    job.rl.steps,
+                    run.policy_version,
+                    run.value_pretrain_steps,
+                    self.tasks.consumed,
+                )
         hf_dir = self.run_dir / "hf_policy"
         runtime.export_policy_hf(
             policy.unwrapped, self.spec, self.hf_config, self.tokenizer, p, hf_dir
@@ -322,7 +371,11 @@ class Controller:
             rl.rollout.start()
         try:
             if "rl" in self.job.stages and rl.run.step == 0:
-                self.summary |= {f"before/{k}": v for k, v in self._evaluate(rl.rollout).items()}
+                before = self._evaluate(rl.rollout)
+                self.summary |= {f"before/{k}": v for k, v in before.items()}
+                if self.rank0:  # saved now: a crash or a resume must not lose them
+                    report.update_summary(self.run_dir, self.summary)
+                self._log_eval(0, before)
             self._clock = time.perf_counter()  # rl.time_budget_s counts value pre-training and RL
             self._value_pretrain(rl)
             if "rl" in self.job.stages:
@@ -397,7 +450,9 @@ class Controller:
             self.parallel,
             self.run_dir / "hf_policy_final",
         )
-        self.summary |= {f"after/{k}": v for k, v in self._evaluate(rl.rollout).items()}
+        after = self._evaluate(rl.rollout)
+        self._log_eval(rl.run.step, after)
+        self.summary |= {f"after/{k}": v for k, v in after.items()}
         self.summary |= {k: v for k, v in m.items() if k.startswith(("deviation/", "throughput/"))}
         self.summary["rl/steps_done"] = float(rl.run.step)
         self.summary["rl/wall_s"] = time.perf_counter() - self._clock
@@ -474,6 +529,11 @@ def _rollout_metrics(stats: dict) -> dict[str, float]:
     if util:
         out["rollout/worker_utilization"] = sum(util) / len(util)
     return out
+
+
+def _step_of(checkpoint: Path) -> int:
+    """The train step of a checkpoint folder named ``step_NNNNNNNN`` (`step_dir_name`)."""
+    return int(checkpoint.name.rsplit("_", 1)[1])
 
 
 def _task_index(task_id: str) -> int:
