@@ -174,6 +174,7 @@ class Controller:
             is_logging_rank=self.rank0,
             total_steps=total,
             initial_step=initial,
+            stage=stage,
         )
 
     def _layout(self) -> dict[str, int]:
