@@ -15,6 +15,7 @@ run_dir/config.yaml and every checkpoint record.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import random
@@ -32,7 +33,9 @@ from sao_megatron.data.demonstrations import demonstration_sequences
 from sao_megatron.models import build_policy
 from sao_megatron.parallel.collectives import broadcast_from_last_stage, broadcast_from_rank0
 from sao_megatron.parallel.state import ParallelState
+from sao_megatron.rollout.engine import EngineClient, EngineError, EngineProcess
 from sao_megatron.rollout.manager import RolloutManager, Task
+from sao_megatron.rollout.weight_sync import sync_engines
 from sao_megatron.trainer import report, runtime, signals
 from sao_megatron.trainer.checkpoint import CheckpointManager, CommonState, step_dir_name
 from sao_megatron.trainer.evaluate import evaluate
@@ -158,6 +161,7 @@ class Controller:
         self.rank0 = parallel.rank == 0
         self.run_dir = Path(job.run_dir)
         self.summary: dict[str, float] = {}
+        self._early_engines: list[EngineProcess] = []  # started before SFT (rank 0)
 
     # ------------------------------------------------------------------ helpers
     def _ckpt(self, stage: str) -> CheckpointManager:
@@ -239,11 +243,73 @@ class Controller:
         if self._finished(rl_resume):
             return self.summary
         policy = None
-        if "sft" in job.stages and rl_resume is None:
-            policy = self.sft_stage()
-        if {"value_pretrain", "rl"} & set(job.stages):
-            self.rl_stage(policy, rl_resume)
+        try:
+            if "sft" in job.stages and rl_resume is None:
+                policy = self.sft_stage()
+            if {"value_pretrain", "rl"} & set(job.stages):
+                self.rl_stage(policy, rl_resume)
+        finally:  # the rollout does not own engines started before SFT
+            for engine in self._early_engines:
+                engine.stop()
         return self.summary
+
+    def _start_engines_early(self, policy_chunks) -> None:
+        """Start the local vLLM engines now, so their start-up overlaps SFT (collective).
+
+        They load the initial policy (exported to run_dir/rollout/hf_init); `_adopt_engines`
+        waits for them after SFT and reloads the SFT weights before any episode is sampled.
+        Nothing is started when no later stage needs the engines or they are remote.
+        """
+        job = self.job
+        if not ({"value_pretrain", "rl"} & set(job.stages)) or not job.rollout.launches_engines:
+            return
+        init_dir = self.run_dir / "rollout" / "hf_init"
+        runtime.export_policy_hf(
+            policy_chunks, self.spec, self.hf_config, self.tokenizer, self.parallel, init_dir
+        )
+        if self.rank0:
+            self._early_engines = [
+                EngineProcess(job.rollout, i, init_dir, self.run_dir / "rollout")
+                for i in range(job.rollout.num_engines)
+            ]
+            for engine in self._early_engines:
+                engine.start()
+            log.info("started %d vLLM engine(s) to overlap SFT", len(self._early_engines))
+
+    def _adopt_engines(self, policy_chunks, hf_dir: Path, version: int) -> list | None:
+        """The engines started before SFT, ready and serving `policy_chunks` as `version`
+        (collective: the weights are gathered; rank 0 waits, writes one safetensors file and
+        syncs every engine to it). A restarted engine then loads `hf_dir`. None if none were
+        started early."""
+        if not bool(broadcast_from_rank0(bool(self._early_engines))):
+            return None
+        weights = runtime.policy_hf_weights(policy_chunks, self.spec, self.parallel)
+        if not self.rank0:
+            for _ in weights:  # take part in the gathers
+                pass
+            return None
+        from safetensors.torch import save_file
+
+        for engine in self._early_engines:
+            waited = engine.wait_ready()
+            log.info("engine %d ready at %s (%.1f s after SFT)", engine.index, engine.url, waited)
+        path = self.run_dir / "rollout" / "hf_start.safetensors"
+        save_file({name: t.contiguous() for name, t in weights}, str(path))
+
+        async def sync():
+            clients = [EngineClient(e.url, f"engine{e.index}") for e in self._early_engines]
+            try:
+                return await sync_engines(clients, path, version)
+            finally:
+                for c in clients:
+                    await c.aclose()
+
+        for result in asyncio.run(sync()):
+            if isinstance(result, BaseException):
+                raise EngineError(f"loading the SFT weights into an engine: {result}")
+        for engine in self._early_engines:
+            engine.model_path = str(hf_dir)
+        return list(self._early_engines)
 
     def _finished(self, rl_resume: Path | None) -> bool:
         """True (and says so) when the RL stage already ended at its latest checkpoint: its
@@ -288,6 +354,8 @@ class Controller:
             sampler.epoch, sampler.index = cursor["epoch"], cursor["index"]
             if self.rank0:
                 log.info("SFT: resumed from checkpoint %s at step %d/%d", path, step, job.sft.steps)
+        if step < job.sft.steps:
+            self._start_engines_early(state.unwrapped)
         m: dict[str, float] = {}
         with self._logger("sft", job.sft.steps, step) as logger:
             while step < job.sft.steps:
@@ -353,6 +421,7 @@ class Controller:
         runtime.export_policy_hf(
             policy.unwrapped, self.spec, self.hf_config, self.tokenizer, p, hf_dir
         )
+        engines = self._adopt_engines(policy.unwrapped, hf_dir, run.policy_version)
         rollout = None
         if self.rank0:  # a resumed run's engines serve the checkpoint's weights as its version
             rollout = RolloutManager(
@@ -363,6 +432,7 @@ class Controller:
                 run_dir=self.run_dir / "rollout",
                 model_path=str(hf_dir),
                 group_size=self.algorithm.group_size,
+                processes=engines,
             )
         return RLParts(step_fn=step_fn, states=states, checkpoints=mgr, run=run, rollout=rollout)
 
