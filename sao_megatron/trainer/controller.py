@@ -294,7 +294,7 @@ class Controller:
             waited = engine.wait_ready()
             log.info("engine %d ready at %s (%.1f s after SFT)", engine.index, engine.url, waited)
         path = self.run_dir / "rollout" / "hf_start.safetensors"
-        save_file({name: t.contiguous() for name, t in weights}, str(path))
+        save_file({name: t.detach().cpu().contiguous() for name, t in weights}, str(path))
 
         async def sync():
             clients = [EngineClient(e.url, f"engine{e.index}") for e in self._early_engines]
