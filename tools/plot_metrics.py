@@ -5,8 +5,13 @@
     python tools/plot_metrics.py runs/sao runs/grpo --out runs/compare  # SAO vs GRPO overlaid
     python tools/plot_metrics.py runs/sao --keys loss/policy lr/policy  # one panel per key
 
-Writes ``metrics.png`` (the grid) into --out (default: <first run>/plots). Panels whose keys no
-run has say "no data"; keys are the names in sao_megatron/trainer/metrics.py STANDARD_METRICS.
+    python tools/plot_metrics.py runs/quickstart/sft                  # SFT: loss, accuracy, lr
+
+Writes ``metrics.png`` (the grid) into --out (default: <first run>/plots). Only the panels with
+data in some run are drawn (a stage's own panels: SFT's loss and accuracy, RL's reward and
+deviation); a --keys panel without data says "no data". Keys are the names in
+sao_megatron/trainer/metrics.py STANDARD_METRICS. Per-step times are seconds per step; the
+cumulative clock (``time/rl_elapsed_s``) is not one of them.
 Reads the JSONL directly (no sao_megatron import), so it runs anywhere matplotlib is installed.
 """
 
@@ -37,6 +42,14 @@ class Panel:
 
 
 PANELS = [
+    Panel("SFT loss", "cross-entropy (nats/token)", ["sft/loss"]),
+    Panel(
+        "SFT token accuracy",
+        "fraction of action tokens",
+        ["sft/token_accuracy"],
+        ylim=(-0.02, 1.02),
+    ),
+    Panel("Learning rate", "lr", ["sft/lr", "lr/policy", "lr/value"]),
     Panel("Reward", "mean episode return", ["reward/mean"]),
     Panel("Success rate", "fraction solved", ["reward/success_rate"], ylim=(-0.02, 1.02)),
     Panel("Policy loss", "loss", ["loss/policy"]),
@@ -65,7 +78,8 @@ PANELS = [
     ),
     Panel("Time per phase", "seconds per step", ["time/"]),
 ]
-SKIP_KEYS = {"time/unix"}
+#: keys never drawn by a prefix panel: wall-clock stamps and cumulative seconds (not per step)
+SKIP_KEYS = {"time/unix", "time/rl_elapsed_s"}
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -151,6 +165,10 @@ def draw_panel(ax, panel: Panel, runs: dict[str, list[dict]]) -> None:
         ax.legend(fontsize=7)
 
 
+def _has_data(panel: Panel, runs: dict[str, list[dict]]) -> bool:
+    return any(series(r, k)[0] for k in expand_keys(panel.keys, runs) for r in runs.values())
+
+
 def plot_runs(run_dirs: list[Path], out_dir: Path, keys: list[str] | None = None) -> Path:
     """Render the grid for one or more runs; return the PNG path.
 
@@ -164,7 +182,15 @@ def plot_runs(run_dirs: list[Path], out_dir: Path, keys: list[str] | None = None
             raise FileNotFoundError(f"{path}: no metrics.jsonl (pass a run directory)")
         name = (d if d.is_dir() else d.parent).name
         runs[name if name not in runs else str(d)] = read_jsonl(path)
-    panels = [Panel(k, k, [k]) for k in keys] if keys else PANELS
+    if keys:
+        panels = [Panel(k, k, [k]) for k in keys]
+    else:
+        panels = [p for p in PANELS if _has_data(p, runs)]
+        if not panels:
+            raise FileNotFoundError(
+                f"{', '.join(str(d) for d in run_dirs)}: no known metric in metrics.jsonl "
+                "(pass --keys to plot others)"
+            )
     ncols = min(3, len(panels))
     nrows = math.ceil(len(panels) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.6 * nrows), squeeze=False)

@@ -22,7 +22,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from sao_megatron.convert.hf_io import (
     HFCheckpointReader,
     copy_tokenizer_files,
     read_hf_config,
+    shared_mkdtemp,
     tokenizer_num_tokens,
     tokenizer_sha256,
     write_sharded_safetensors,
@@ -142,7 +142,7 @@ def convert_hf_to_megatron(
     tmp = None
     if _rank() == 0:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent)
+        tmp = str(shared_mkdtemp(out.parent, out.name))
     tmp = Path(_from_rank0(tmp))
     error: BaseException | None = None
     try:

@@ -21,7 +21,8 @@ examples:
 
 The Megatron checkpoint (dist_checkpointing) loads into any TP/PP/EP layout; --tp/--pp/--ep
 only choose how the conversion itself is split (memory per process; experts are kept whole,
-expert_tp=1). Without torchrun, hf-to-megatron starts pp*lcm(tp, ep) local processes itself.
+expert_tp=1, when --ep > 1, and split over TP with --tp alone). Without torchrun,
+hf-to-megatron starts pp*lcm(tp, ep) local processes itself.
 See docs/CONVERSION.md and docs/REAL_MODEL.md.
 """
 
@@ -136,9 +137,12 @@ def _hf_to_megatron_rank(rank: int, args: argparse.Namespace, world: int, port: 
     from sao_megatron.convert.checkpoint import convert_hf_to_megatron
     from sao_megatron.parallel import ParallelConfig, destroy_parallel, initialize_parallel
 
+    # experts stay whole (expert_tp=1) when they are split over EP ranks; without EP, Megatron
+    # requires expert_tp == tp (ParallelConfig), so TP alone splits the experts too
+    expert_tp = 1 if args.ep > 1 else args.tp
     state = initialize_parallel(
         ParallelConfig(
-            tp=args.tp, pp=args.pp, ep=args.ep, expert_tp=1, sequence_parallel=args.tp > 1
+            tp=args.tp, pp=args.pp, ep=args.ep, expert_tp=expert_tp, sequence_parallel=args.tp > 1
         )
     )
     try:

@@ -224,6 +224,17 @@ def tokenizer_num_tokens(folder: str | os.PathLike) -> int | None:
     return None
 
 
+def shared_mkdtemp(parent: Path, name: str) -> Path:
+    """A new temporary folder ``parent/.<name>.tmp-XXXX`` with the permissions of a plain
+    ``mkdir`` (0o777 minus the umask), not mkdtemp's 0o700: it is renamed into an output folder
+    that others on shared storage must be able to read."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    return tmp
+
+
 @contextlib.contextmanager
 def atomic_output_dir(out_dir: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling folder that becomes ``out_dir`` only if the block succeeds.
@@ -238,7 +249,7 @@ def atomic_output_dir(out_dir: str | os.PathLike, *, overwrite: bool = False) ->
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty: choose another --out or --overwrite")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = shared_mkdtemp(out.parent, out.name)
     try:
         yield tmp
     except BaseException:

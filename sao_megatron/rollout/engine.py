@@ -215,24 +215,52 @@ class EngineProcess:
     def wait_ready(self, timeout_s: float | None = None) -> float:
         """Block until /health answers 200; return the seconds waited.
 
-        Raises EngineError (with the log's tail) if the process exits or the time runs out.
+        `timeout_s` (default ``rollout.startup_timeout_s``) counts seconds *without progress*:
+        the deadline moves on whenever the engine's log grows (imports, weight loading,
+        compilation and profiling write to it), so a slow start on a loaded machine is not
+        killed while a stalled one is. An engine that exits or stalls is restarted once.
+
+        Raises EngineError naming the log file (and its last line) after the second failure.
         """
         timeout_s = timeout_s or self.config.startup_timeout_s
         t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout_s:
+        for attempt in range(2):
+            failure = self._wait_healthy(timeout_s)
+            if failure is None:
+                return time.monotonic() - t0
+            if attempt == 0:
+                self.stop()
+                self.start()
+        tail = self.log_tail(1).strip()
+        raise EngineError(
+            f"engine {self.index} {failure}, also after one restart; see its log "
+            f"{self.log_path} (last line: {tail[-200:]!r}; raise rollout.startup_timeout_s if "
+            "it was still starting)"
+        )
+
+    def _log_size(self) -> int:
+        try:
+            return self.log_path.stat().st_size
+        except OSError:
+            return 0
+
+    def _wait_healthy(self, stall_s: float) -> str | None:
+        """None once /health answers; else why not (exited, or no log progress for stall_s)."""
+        last_size, last_progress = self._log_size(), time.monotonic()
+        while time.monotonic() - last_progress < stall_s:
             if not self.is_alive():
-                raise EngineError(f"engine {self.index} exited during start-up:\n{self.log_tail()}")
+                return "exited during start-up"
             try:
                 if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    return time.monotonic() - t0
+                    return None
             except httpx.HTTPError:
                 pass
+            size = self._log_size()
+            if size != last_size:
+                last_size, last_progress = size, time.monotonic()
             time.sleep(0.5)
         self.stop()
-        raise EngineError(
-            f"engine {self.index} not healthy after {timeout_s:.0f} s "
-            f"(raise rollout.startup_timeout_s?):\n{self.log_tail()}"
-        )
+        return f"not healthy and its log silent for {stall_s:.0f} s"
 
     def is_alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -15,6 +15,7 @@ run_dir/config.yaml and every checkpoint record.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import random
@@ -32,8 +33,9 @@ from sao_megatron.data.demonstrations import demonstration_sequences
 from sao_megatron.models import build_policy
 from sao_megatron.parallel.collectives import broadcast_from_last_stage, broadcast_from_rank0
 from sao_megatron.parallel.state import ParallelState
+from sao_megatron.rollout.engine import EngineClient, EngineError, EngineProcess
 from sao_megatron.rollout.manager import RolloutManager, Task
-from sao_megatron.trainer import runtime, signals
+from sao_megatron.trainer import report, runtime, signals
 from sao_megatron.trainer.checkpoint import CheckpointManager, CommonState, step_dir_name
 from sao_megatron.trainer.evaluate import evaluate
 from sao_megatron.trainer.job import JobConfig, TasksConfig
@@ -45,7 +47,7 @@ from sao_megatron.trainer.metrics import (
 )
 from sao_megatron.trainer.rl_step import RLStep, StepConfig
 from sao_megatron.trainer.sft import SequenceSampler, sft_step
-from sao_megatron.weight_sync import export_hf, publish_policy
+from sao_megatron.weight_sync import export_hf, gather_hf_weights, publish_policy, sync_engines
 
 log = logging.getLogger("sao_megatron.trainer")
 
@@ -159,6 +161,7 @@ class Controller:
         self.rank0 = parallel.rank == 0
         self.run_dir = Path(job.run_dir)
         self.summary: dict[str, float] = {}
+        self._early_engines: list[EngineProcess] = []  # started before SFT (rank 0)
 
     # ------------------------------------------------------------------ helpers
     def _ckpt(self, stage: str) -> CheckpointManager:
@@ -175,6 +178,7 @@ class Controller:
             is_logging_rank=self.rank0,
             total_steps=total,
             initial_step=initial,
+            stage=stage,
         )
 
     def _layout(self) -> dict[str, int]:
@@ -229,17 +233,112 @@ class Controller:
     def run(self) -> dict[str, float]:
         self.prepare()
         job = self.job
+        # a resumed or re-run job keeps what earlier runs measured (before-RL figures)
+        self.summary = broadcast_from_rank0(
+            report.read_summary(self.run_dir) if self.rank0 else None
+        )
         rl_resume = self._ckpt("rl").resolve_resume() if "rl" in job.stages else None
+        if self._finished(rl_resume):
+            return self.summary
         policy = None
-        if "sft" in job.stages and rl_resume is None:
-            policy = self.sft_stage()
-        if {"value_pretrain", "rl"} & set(job.stages):
-            self.rl_stage(policy, rl_resume)
+        try:
+            if "sft" in job.stages and rl_resume is None:
+                policy = self.sft_stage()
+            if {"value_pretrain", "rl"} & set(job.stages):
+                self.rl_stage(policy, rl_resume)
+        finally:  # the rollout does not own engines started before SFT
+            for engine in self._early_engines:
+                engine.stop()
         return self.summary
+
+    def _start_engines_early(self, policy_chunks) -> None:
+        """Start the local vLLM engines now, so their start-up overlaps SFT (collective).
+
+        They load the initial policy (exported to run_dir/rollout/hf_init); `_adopt_engines`
+        waits for them after SFT and reloads the SFT weights before any episode is sampled.
+        Nothing is started when no later stage needs the engines or they are remote.
+        """
+        job = self.job
+        if not ({"value_pretrain", "rl"} & set(job.stages)) or not job.rollout.launches_engines:
+            return
+        init_dir = self.run_dir / "rollout" / "hf_init"
+        export_hf(policy_chunks, self.spec, self.hf_config, self.tokenizer, self.parallel, init_dir)
+        if self.rank0:
+            self._early_engines = [
+                EngineProcess(job.rollout, i, init_dir, self.run_dir / "rollout")
+                for i in range(job.rollout.num_engines)
+            ]
+            for engine in self._early_engines:
+                engine.start()
+            log.info("started %d vLLM engine(s) to overlap SFT", len(self._early_engines))
+
+    def _adopt_engines(self, policy_chunks, hf_dir: Path, version: int) -> list | None:
+        """The engines started before SFT, ready and serving `policy_chunks` as `version`
+        (collective: the weights are gathered; rank 0 waits, writes one safetensors file and
+        syncs every engine to it). A restarted engine then loads `hf_dir`. None if none were
+        started early."""
+        if not bool(broadcast_from_rank0(bool(self._early_engines))):
+            return None
+        weights = gather_hf_weights(policy_chunks, self.spec, self.parallel)
+        if weights is None:  # not rank 0: it took part in the gather
+            return None
+        from safetensors.torch import save_file
+
+        for engine in self._early_engines:
+            waited = engine.wait_ready()
+            log.info("engine %d ready at %s (%.1f s after SFT)", engine.index, engine.url, waited)
+        path = self.run_dir / "rollout" / "hf_start.safetensors"
+        save_file({name: t.contiguous() for name, t in weights.items()}, str(path))
+
+        async def sync():
+            clients = [EngineClient(e.url, f"engine{e.index}") for e in self._early_engines]
+            try:
+                return await sync_engines(clients, path, version)
+            finally:
+                for c in clients:
+                    await c.aclose()
+
+        for result in asyncio.run(sync()):
+            if isinstance(result, BaseException):
+                raise EngineError(f"loading the SFT weights into an engine: {result}")
+        for engine in self._early_engines:
+            engine.model_path = str(hf_dir)
+        return list(self._early_engines)
+
+    def _finished(self, rl_resume: Path | None) -> bool:
+        """True (and says so) when the RL stage already ended at its latest checkpoint: its
+        final export, evaluation and summary were written (``summary.json``'s ``rl/steps_done``
+        is that checkpoint's step, and the step is ``rl.steps`` or a time budget ended it).
+        Re-running such a job starts no engine and evaluates nothing."""
+        if rl_resume is None:
+            return False
+        step = _step_of(rl_resume)
+        done = self.summary.get("rl/steps_done")
+        ended = step >= self.job.rl.steps or self.job.rl.time_budget_s > 0
+        if done is None or int(done) != step or not ended:
+            return False
+        if self.rank0:
+            log.info(
+                "nothing to do: the RL stage finished at step %d (checkpoint %s); final policy "
+                "%s, summary %s. Use a new run_dir (or raise rl.steps) to train more.",
+                step,
+                rl_resume,
+                self.run_dir / "hf_policy_final",
+                self.run_dir / report.SUMMARY_FILE,
+            )
+        return True
+
+    def _log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """Held-out evaluation figures into run_dir/rl's metrics.jsonl and TensorBoard at
+        `step` (the policy version evaluated: 0 before RL, the last step after it)."""
+        cfg = dataclasses.replace(self.job.logging, console=False)
+        with MetricsLogger(cfg, self.run_dir / "rl", is_logging_rank=self.rank0) as logger:
+            logger.log(step, metrics, force=True)
 
     def sft_stage(self):
         job, p = self.job, self.parallel
         state = runtime.build_policy_state(job, p, job.sft.optim)
+        runtime.mask_vocab_padding(state.unwrapped, self.hf_config["vocab_size"], p)
         seqs = demonstration_sequences(job.demonstrations, self.formatter)
         sampler = SequenceSampler(len(seqs), seed=job.seed)
         mgr, step = self._ckpt("sft"), 0
@@ -247,6 +346,10 @@ class Controller:
             res = self._load(mgr, path, {"policy": state})
             step, cursor = res.common.train_step, res.common.data_cursor
             sampler.epoch, sampler.index = cursor["epoch"], cursor["index"]
+            if self.rank0:
+                log.info("SFT: resumed from checkpoint %s at step %d/%d", path, step, job.sft.steps)
+        if step < job.sft.steps:
+            self._start_engines_early(state.unwrapped)
         m: dict[str, float] = {}
         with self._logger("sft", job.sft.steps, step) as logger:
             while step < job.sft.steps:
@@ -283,6 +386,8 @@ class Controller:
                 policy_chunks = build_policy(job.model, p, job.precision)
                 self._ckpt("sft").load(sft, {"policy": policy_chunks[0].sharded_state_dict()})
         policy = runtime.build_policy_state(job, p, job.policy_optim, init_from=policy_chunks)
+        # padding rows past the served vocabulary stay out of the trainer's softmax
+        runtime.mask_vocab_padding(policy.unwrapped, self.hf_config["vocab_size"], p)
         value = None
         if self.algorithm.needs_value_model:
             value = runtime.build_value_state(job, p, policy.unwrapped)
@@ -301,8 +406,20 @@ class Controller:
             common = self._load(mgr, resume_path, states).common
             run.load_state_dict(common.extra["rl_run_state"])
             self.tasks.load_state_dict(common.data_cursor)
+            if self.rank0:
+                log.info(
+                    "RL: resumed from checkpoint %s at step %d/%d (policy version %d, %d value "
+                    "pre-training steps done, %d tasks consumed)",
+                    resume_path,
+                    run.step,
+                    job.rl.steps,
+                    run.policy_version,
+                    run.value_pretrain_steps,
+                    self.tasks.consumed,
+                )
         hf_dir = self.run_dir / "hf_policy"
         export_hf(policy.unwrapped, self.spec, self.hf_config, self.tokenizer, p, hf_dir)
+        engines = self._adopt_engines(policy.unwrapped, hf_dir, run.policy_version)
         rollout = None
         if self.rank0:  # a resumed run's engines serve the checkpoint's weights as its version
             rollout = RolloutManager(
@@ -313,6 +430,7 @@ class Controller:
                 run_dir=self.run_dir / "rollout",
                 model_path=str(hf_dir),
                 group_size=self.algorithm.group_size,
+                processes=engines,
             )
         return RLParts(step_fn=step_fn, states=states, checkpoints=mgr, run=run, rollout=rollout)
 
@@ -322,7 +440,11 @@ class Controller:
             rl.rollout.start()
         try:
             if "rl" in self.job.stages and rl.run.step == 0:
-                self.summary |= {f"before/{k}": v for k, v in self._evaluate(rl.rollout).items()}
+                before = self._evaluate(rl.rollout)
+                self.summary |= {f"before/{k}": v for k, v in before.items()}
+                if self.rank0:  # saved now: a crash or a resume must not lose them
+                    report.update_summary(self.run_dir, self.summary)
+                self._log_eval(0, before)
             self._clock = time.perf_counter()  # rl.time_budget_s counts value pre-training and RL
             self._value_pretrain(rl)
             if "rl" in self.job.stages:
@@ -403,7 +525,9 @@ class Controller:
             self.parallel,
             self.run_dir / "hf_policy_final",
         )
-        self.summary |= {f"after/{k}": v for k, v in self._evaluate(rl.rollout).items()}
+        after = self._evaluate(rl.rollout)
+        self._log_eval(rl.run.step, after)
+        self.summary |= {f"after/{k}": v for k, v in after.items()}
         self.summary |= {k: v for k, v in m.items() if k.startswith(("deviation/", "throughput/"))}
         self.summary["rl/steps_done"] = float(rl.run.step)
         self.summary["rl/wall_s"] = time.perf_counter() - self._clock
@@ -466,6 +590,11 @@ def _rollout_metrics(stats: dict) -> dict[str, float]:
     if util:
         out["rollout/worker_utilization"] = sum(util) / len(util)
     return out
+
+
+def _step_of(checkpoint: Path) -> int:
+    """The train step of a checkpoint folder named ``step_NNNNNNNN`` (`step_dir_name`)."""
+    return int(checkpoint.name.rsplit("_", 1)[1])
 
 
 def _task_index(task_id: str) -> int:

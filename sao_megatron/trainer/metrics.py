@@ -66,11 +66,12 @@ STANDARD_METRICS: dict[str, str] = {
     "memory/peak_gpu_gib": "peak torch.cuda allocated memory, GiB",
 }
 
-#: Progress-bar label -> metric key.
-PROGRESS_KEYS: dict[str, str] = {
-    "reward": "reward/mean",
-    "success": "reward/success_rate",
-    "dev": "deviation/abs_one_minus_ratio_mean",
+#: Progress-bar label -> metric keys (the first one present is shown).
+PROGRESS_KEYS: dict[str, tuple[str, ...]] = {
+    "loss": ("loss/policy", "sft/loss", "loss/value"),
+    "reward": ("reward/mean",),
+    "success": ("reward/success_rate",),
+    "dev": ("deviation/abs_one_minus_ratio_mean",),
 }
 
 
@@ -86,7 +87,10 @@ class LoggingConfig:
         wandb_project: W&B project name.
         log_interval: write every this many steps (>= 1); `MetricsLogger.log(force=True)`
             always writes.
-        console: show a tqdm progress bar on the logging rank.
+        console: show progress on the logging rank: a tqdm bar when stderr is a terminal,
+            else (a log file, a SLURM .out) one plain line every ``progress_interval`` steps
+            and at the last step, never ``\r``-joined bar redraws.
+        progress_interval: steps between the plain progress lines (>= 1).
     """
 
     #: former fields -> the fix, for migration errors (sao_megatron.configs)
@@ -99,10 +103,13 @@ class LoggingConfig:
     wandb_project: str = "sao_megatron"
     log_interval: int = 1
     console: bool = True
+    progress_interval: int = 10
 
     def __post_init__(self) -> None:
         if self.log_interval < 1:
             raise ValueError(f"logging.log_interval={self.log_interval}: must be >= 1")
+        if self.progress_interval < 1:
+            raise ValueError(f"logging.progress_interval={self.progress_interval}: must be >= 1")
 
 
 def _to_scalar(key: str, value: Any) -> float | int | str | bool | None:
@@ -128,6 +135,7 @@ class MetricsLogger:
             no-op.
         total_steps: number of train steps, for the progress bar (None = unknown).
         initial_step: first step number (a resumed run starts the bar there).
+        stage: the stage's name, shown first on the bar and on every progress line.
     """
 
     def __init__(
@@ -138,6 +146,7 @@ class MetricsLogger:
         is_logging_rank: bool,
         total_steps: int | None = None,
         initial_step: int = 0,
+        stage: str = "",
     ) -> None:
         self.config = config
         self.enabled = is_logging_rank
@@ -148,6 +157,9 @@ class MetricsLogger:
         self._bar = None
         self._warned: set[str] = set()
         self._last: tuple[int, float] | None = None
+        self.stage, self.total_steps = stage, total_steps
+        self._plain = False  # console progress as plain lines (stderr is not a terminal)
+        self._pending: str | None = None  # the last plain line not yet printed
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -167,12 +179,15 @@ class MetricsLogger:
                 )
             else:
                 self._wandb = wandb.init(project=config.wandb_project, dir=str(self.run_dir))
-        if config.console:
+        if config.console and not _is_tty(sys.stderr):
+            self._plain = True
+        elif config.console:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(
                 total=total_steps,
                 initial=initial_step,
+                desc=stage or None,
                 unit="step",
                 dynamic_ncols=True,
                 file=sys.stderr,
@@ -228,17 +243,31 @@ class MetricsLogger:
             self._wandb.log(numeric, step=int(step))
 
     def _update_bar(self, step: int, record: Mapping[str, Any]) -> None:
-        if self._bar is None:
+        if self._bar is None and not self._plain:
             return
-        self._bar.update(max(int(step) - self._bar.n, 0))
         post = {}
-        for label, key in PROGRESS_KEYS.items():
-            value = record.get(key)
-            if isinstance(value, (int, float)) and value is not None:
+        for label, keys in PROGRESS_KEYS.items():
+            value = next((record[k] for k in keys if k in record), None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
                 post[label] = f"{value:.3g}"
         if "throughput/steps_per_s" in record:
             post["step/s"] = f"{record['throughput/steps_per_s']:.3g}"
-        self._bar.set_postfix(post, refresh=True)
+        if self._bar is not None:
+            self._bar.update(max(int(step) - self._bar.n, 0))
+            self._bar.set_postfix(post, refresh=True)
+            return
+        of = f"/{self.total_steps}" if self.total_steps else ""
+        head = f"[{self.stage}] " if self.stage else ""
+        line = f"{head}step {int(step)}{of} " + " ".join(f"{k}={v}" for k, v in post.items())
+        self._pending = line.rstrip()
+        last = self.total_steps is not None and int(step) >= self.total_steps
+        if step == 1 or last or step % self.config.progress_interval == 0:
+            self._flush_progress()
+
+    def _flush_progress(self) -> None:
+        if self._pending is not None:
+            print(self._pending, file=sys.stderr, flush=True)
+            self._pending = None
 
     def write(self, message: str) -> None:
         """Print a line on the logging rank without breaking the progress bar."""
@@ -250,7 +279,9 @@ class MetricsLogger:
             print(message, flush=True)
 
     def close(self) -> None:
-        """Flush and close every sink (idempotent)."""
+        """Flush and close every sink (idempotent); prints the last progress line if the
+        interval skipped it."""
+        self._flush_progress()
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -269,6 +300,13 @@ class MetricsLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _is_tty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # closed or replaced streams
+        return False
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

@@ -3,14 +3,40 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from sao_megatron.trainer.job import JobConfig
 
+SUMMARY_FILE = "summary.json"
+
+
+def read_summary(run_dir: str | os.PathLike) -> dict[str, float]:
+    """``run_dir/summary.json`` as a dict ({} when absent or unreadable)."""
+    path = Path(run_dir, SUMMARY_FILE)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def update_summary(run_dir: str | os.PathLike, values: dict[str, float]) -> dict[str, float]:
+    """Merge `values` into ``run_dir/summary.json`` (keys already there and not in `values`
+    are kept, so a resumed or re-run job keeps its before-RL figures); written atomically
+    (temp file, then rename). Returns the merged summary."""
+    merged = read_summary(run_dir) | dict(values)
+    path = Path(run_dir, SUMMARY_FILE)
+    tmp = path.with_name(f".{SUMMARY_FILE}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(merged, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+    return merged
+
 
 def final_report(job: JobConfig, summary: dict[str, float]) -> str:
-    """Render the summary as a text table and save it as ``run_dir/summary.json``."""
-    Path(job.run_dir, "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+    """Merge the summary into ``run_dir/summary.json`` (`update_summary`) and render the
+    merged figures as a text table."""
+    summary = update_summary(job.run_dir, summary)
     rows = [("metric", "before RL", "after RL")]
     keys = sorted({k.split("/", 1)[1] for k in summary if k.startswith(("before/", "after/"))})
     for k in keys:

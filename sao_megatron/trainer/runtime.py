@@ -122,13 +122,70 @@ def init_policy_from_hf(chunks: list[torch.nn.Module], hf_dir: str, spec: Conver
 
 def hf_config_for(model: MoEModelConfig, tokenizer: Tokenizer, dtype: str) -> dict:
     """The HF ``config.json`` of a from-scratch model (`MoEModelConfig.to_hf_config`) with the
-    tokenizer's special ids and the ``precision.params_dtype`` name (fp32/bf16/fp16)."""
-    return model.to_hf_config(
+    tokenizer's special ids and the ``precision.params_dtype`` name (fp32/bf16/fp16).
+
+    ``vocab_size`` is the tokenizer's size, not ``model.vocab_size``: the Megatron model may
+    hold padding rows past the tokenizer (its vocabulary is rounded up to a multiple of TP),
+    which the export drops (``split_to_hf`` keeps ``spec.vocab_size`` rows), so the engine can
+    never sample an id the tokenizer cannot decode. The trainer masks the same rows out of its
+    softmax (`mask_vocab_padding`).
+    """
+    hf = model.to_hf_config(
         bos_token_id=tokenizer.bos_id,
         eos_token_id=tokenizer.eos_id,
         pad_token_id=tokenizer.pad_id,
-        torch_dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype],
+        torch_dtype=_HF_DTYPE[dtype],
     )
+    return hf | {"vocab_size": min(tokenizer.vocab_size, model.vocab_size)}
+
+
+#: Logit written over the vocabulary-padding columns. Finite so that ``p * z`` stays 0 (not
+#: ``0 * -inf = nan``) in the entropy, and low enough that ``exp((PAD_LOGIT - max_z) / T)``
+#: underflows to exactly 0 in float32 (below exp(-104)) for any max real logit > -9000 and
+#: temperature <= 80; representable in fp16/bf16.
+PAD_LOGIT = -1.0e4
+
+
+def mask_vocab_padding(
+    chunks: list[torch.nn.Module], vocab_size: int, parallel: ParallelState
+) -> int:
+    """Keep the output layer's padding columns (token ids >= `vocab_size`) out of every softmax.
+
+    Megatron's vocabulary is ``model.vocab_size`` rows, split over TP ranks (rank r holds ids
+    ``[r * V/tp, (r + 1) * V/tp)``); ids past the tokenizer (``vocab_size``, the exported HF
+    model's vocabulary) are padding the engine cannot sample. A forward hook on each chunk's
+    ``output_layer`` (last pipeline stage only) sets those logit columns to `PAD_LOGIT`, so
+    the SFT cross-entropy, the RL log-probs, the entropy and any top-p/top-k transform all see
+    a distribution over exactly the engine's vocabulary: probability 0 (exactly, float32) and
+    no gradient for the padding rows.
+
+    Args:
+        chunks: unwrapped policy chunks (`build_policy`).
+        vocab_size: number of real token ids (<= ``model.vocab_size``).
+    Returns:
+        the number of padding ids (``model.vocab_size - vocab_size``; 0: nothing to mask). A
+        hook is registered only on the TP ranks whose shard holds padding ids.
+    """
+    padding = 0
+    for chunk in chunks:
+        layer = getattr(chunk, "output_layer", None)
+        total = getattr(chunk, "vocab_size", None)
+        if layer is None or total is None or vocab_size >= total:
+            continue
+        padding = total - vocab_size
+        per_rank = total // parallel.cfg.tp
+        first = parallel.tp_rank * per_rank
+        pad = torch.arange(first, first + per_rank) >= vocab_size  # [V/tp] bool
+        if not bool(pad.any()):
+            continue
+
+        def hook(_module, _args, output, pad=pad):
+            logits, bias = output  # ColumnParallelLinear: (logits [s, b, V/tp], bias)
+            mask = pad.to(logits.device)
+            return logits.masked_fill(mask, PAD_LOGIT), bias
+
+        layer.register_forward_hook(hook)
+    return padding
 
 
 def build_policy_state(

@@ -79,7 +79,11 @@ def _records(path: Path) -> list[dict]:
 
 def _check_run(run_dir: Path, steps: int, max_staleness: int) -> list[dict]:
     recs = _records(run_dir / "rl" / "metrics.jsonl")
+    evals = [r for r in recs if "policy/update_ok" not in r]  # held-out evaluations
+    recs = [r for r in recs if "policy/update_ok" in r]
     assert [r["step"] for r in recs] == list(range(1, steps + 1))
+    assert [r["step"] for r in evals] == [0, steps]  # before RL, after it
+    assert all(0.0 <= r["eval/success_rate"] <= 1.0 for r in evals)
     for r in recs:
         assert r["policy/update_ok"] == 1.0
         # no trained token is older than max_staleness policy versions (logged, per batch)
@@ -105,6 +109,15 @@ def test_sao_job_1rank(tmp_path):
     elapsed = [r["time/rl_elapsed_s"] for r in recs]
     assert elapsed == sorted(elapsed) and elapsed[0] > 0
     assert all(0.1 < r["memory/peak_rss_gib"] < 16 for r in recs)
+    # a re-run of the finished job starts no engine and keeps the summary's figures
+    before = json.loads((run / "summary.json").read_text())
+    engine_log = sorted((run / "rollout").rglob("*.log"))
+    sizes = [f.stat().st_size for f in engine_log]
+    again = _run(run, "rl.steps=3", "value_pretrain.steps=1")
+    assert "nothing to do: the RL stage finished at step 3" in again.stdout
+    assert json.loads((run / "summary.json").read_text()) == before
+    assert "before/eval/success_rate" in before
+    assert [f.stat().st_size for f in engine_log] == sizes
 
 
 def test_grpo_job_1rank_stops_at_its_time_budget(tmp_path):

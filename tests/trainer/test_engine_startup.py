@@ -1,0 +1,63 @@
+"""`EngineProcess.wait_ready` under load: the deadline follows log progress, one restart, and a
+short error naming the log file (fake servers: python one-liners, no vLLM)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from sao_megatron.rollout.config import RolloutConfig
+from sao_megatron.rollout.engine import EngineError, EngineProcess
+
+SLOW_SERVER = """
+import http.server, sys, time
+for i in range(8):  # 4 s of start-up, a log line every 0.5 s
+    print('loading', i, flush=True)
+    time.sleep(0.5)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def _cfg() -> RolloutConfig:
+    return RolloutConfig(vllm_python=sys.executable, startup_timeout_s=1.5)
+
+
+def test_slow_start_that_keeps_logging_is_not_killed(tmp_path):
+    class Slow(EngineProcess):
+        def command(self):
+            return [sys.executable, "-c", SLOW_SERVER, str(self.port)]
+
+    p = Slow(_cfg(), 0, tmp_path, tmp_path / "run")
+    p.start()
+    try:
+        waited = p.wait_ready()  # 4 s > startup_timeout_s=1.5, but the log grows
+    finally:
+        p.stop()
+    assert waited > 3.5
+    assert p.num_starts == 1
+
+
+def test_silent_engine_is_restarted_once_then_named_by_its_log(tmp_path):
+    class Silent(EngineProcess):
+        def command(self):
+            return [
+                sys.executable,
+                "-c",
+                "print('hung here', flush=True); import time; time.sleep(60)",
+            ]
+
+    p = Silent(_cfg(), 2, tmp_path, tmp_path / "run")
+    p.start()
+    with pytest.raises(EngineError) as err:
+        p.wait_ready()
+    p.stop()
+    msg = str(err.value)
+    assert p.num_starts == 2  # one restart
+    assert str(p.log_path) in msg and "hung here" in msg and "silent for 2 s" in msg
+    assert msg.count("\n") == 0  # one line, not the whole log
