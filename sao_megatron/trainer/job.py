@@ -63,10 +63,13 @@ def model_from_hf(user: MoEModelConfig, hf_dir: str) -> MoEModelConfig:
     from sao_megatron.convert.hf_io import read_hf_config
     from sao_megatron.convert.model_config import model_config_from_hf
 
-    try:
-        hf = model_config_from_hf(read_hf_config(hf_dir))
-    except FileNotFoundError as exc:
-        raise ValueError(f"init_from_hf={hf_dir!r}: {exc}") from None
+    if not (Path(hf_dir) / "config.json").is_file():
+        raise ValueError(
+            f"init_from_hf={hf_dir!r}: no config.json there; point it at a Hugging Face model "
+            "folder (for SmolLM2-135M-Instruct run `make smollm2`, which writes "
+            ".cache/models/SmolLM2-135M-Instruct)"
+        )
+    hf = model_config_from_hf(read_hf_config(hf_dir))
     default, keep, conflicts = _default_model(), {}, []
     for f in dataclasses.fields(MoEModelConfig):
         mine, theirs = getattr(user, f.name), getattr(hf, f.name)
