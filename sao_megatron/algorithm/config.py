@@ -91,9 +91,11 @@ class SAOConfig:
     length-adaptive value when `length_adaptive_alpha` is set."""
     lam_value: float = 1.0
     """GAE lambda of the value targets (returns = A(lam_value) + V), in [0, 1]. VAPO uses 1."""
-    length_adaptive_alpha: float | None = None
+    length_adaptive_alpha: float | None = 1.5
     """VAPO length-adaptive lambda: lam_policy = clamp(1 - 1/(alpha * l), 0, 1) with l the number
-    of GAE steps of the trajectory. None turns it off. VAPO uses 0.05."""
+    of GAE steps of the trajectory (then `lam_policy` is unused). Default 1.5, SAO's setting
+    (lambda = 1 - 1/(1.5 l)); VAPO (arXiv 2504.05118) uses 0.05 with l = response length.
+    None turns it off (fixed `lam_policy`)."""
     bootstrap_truncated: bool = True
     """Truncated trajectories bootstrap with V(last state) instead of 0."""
     value_clip: float | None = 0.2
