@@ -86,16 +86,23 @@ class SAOConfig:
     value at each node's last action token; "node_mean": node value = mean over its tokens."""
     gamma: float = 1.0
     """Discount per GAE step (per action token or per node), in [0, 1]."""
-    lam_policy: float = 0.95
-    """GAE lambda of the policy advantages, in [0, 1]; replaced per trajectory by the
-    length-adaptive value when `length_adaptive_alpha` is set."""
+    lam_policy: float | None = None
+    """GAE lambda of the policy advantages, in [0, 1], fixed for every trajectory. None (the
+    default): the length-adaptive lambda of `length_adaptive_alpha`."""
     lam_value: float = 1.0
     """GAE lambda of the value targets (returns = A(lam_value) + V), in [0, 1]. VAPO uses 1."""
     length_adaptive_alpha: float | None = 1.5
-    """VAPO length-adaptive lambda: lam_policy = clamp(1 - 1/(alpha * l), 0, 1) with l the number
-    of GAE steps of the trajectory (then `lam_policy` is unused). Default 1.5, SAO's setting
-    (lambda = 1 - 1/(1.5 l)); VAPO (arXiv 2504.05118) uses 0.05 with l = response length.
-    None turns it off (fixed `lam_policy`)."""
+    """Used when `lam_policy` is None. VAPO's length-adaptive lambda (arXiv 2504.05118, sec. 3.2):
+    lam_policy = clamp(1 - 1/(alpha * l), 0, 1) per trajectory, l its number of GAE steps
+    (action tokens, or nodes for the node granularities). Default 1.5, SAO's setting
+    (1 - 1/(1.5 l)); VAPO uses 0.05 with l = response length. > 0."""
+
+    @property
+    def policy_lambda_alpha(self) -> float | None:
+        """The alpha the advantages use: `length_adaptive_alpha`, or None when `lam_policy` is
+        fixed."""
+        return self.length_adaptive_alpha if self.lam_policy is None else None
+
     bootstrap_truncated: bool = True
     """Truncated trajectories bootstrap with V(last state) instead of 0."""
     value_clip: float | None = 0.2
@@ -107,8 +114,14 @@ class SAOConfig:
         p = "algorithm.sao."
         _choice(p + "advantage_granularity", self.advantage_granularity, ADVANTAGE_GRANULARITIES)
         for f in ("gamma", "lam_policy", "lam_value"):
-            _interval(p + f, getattr(self, f), 0.0, 1.0, lo_open=False, hi_open=False)
+            if getattr(self, f) is not None or f != "lam_policy":
+                _interval(p + f, getattr(self, f), 0.0, 1.0, lo_open=False, hi_open=False)
         _positive(p + "length_adaptive_alpha", self.length_adaptive_alpha)
+        if self.lam_policy is None and self.length_adaptive_alpha is None:
+            raise ValueError(
+                f"{p}lam_policy and {p}length_adaptive_alpha are both null: set lam_policy "
+                "(a fixed lambda, e.g. 0.95) or length_adaptive_alpha (e.g. 1.5)"
+            )
         _boolean(p + "bootstrap_truncated", self.bootstrap_truncated)
         _positive(p + "value_clip", self.value_clip)
         _integer(p + "value_updates_per_policy_update", self.value_updates_per_policy_update, 0)

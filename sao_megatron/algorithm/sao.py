@@ -131,9 +131,9 @@ class SAO(Algorithm):
             action_mask=mask,
             next_values=nxt,
             gamma=cfg.gamma,
-            lam_policy=cfg.lam_policy,
+            lam_policy=1.0 if cfg.lam_policy is None else cfg.lam_policy,  # unused when adaptive
             lam_value=cfg.lam_value,
-            length_adaptive_alpha=cfg.length_adaptive_alpha,
+            length_adaptive_alpha=cfg.policy_lambda_alpha,
         )
         if cfg.advantage_granularity == "action_token":
             return action_token_gae(**common)
