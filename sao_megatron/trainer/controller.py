@@ -40,6 +40,7 @@ from sao_megatron.trainer.checkpoint import CheckpointManager, CommonState, step
 from sao_megatron.trainer.evaluate import evaluate
 from sao_megatron.trainer.job import JobConfig, TasksConfig
 from sao_megatron.trainer.metrics import (
+    EVAL_FILE,
     MetricsLogger,
     Timer,
     peak_memory_gib,
@@ -329,11 +330,15 @@ class Controller:
         return True
 
     def _log_eval(self, step: int, metrics: dict[str, float]) -> None:
-        """Held-out evaluation figures into run_dir/rl's metrics.jsonl and TensorBoard at
-        `step` (the policy version evaluated: 0 before RL, the last step after it)."""
+        """Held-out evaluation figures into run_dir/rl/eval.jsonl (one record per evaluation;
+        metrics.jsonl keeps one record per train step) and TensorBoard, at `step` (the policy
+        version evaluated: 0 before RL, the last step after it, every rl.eval_interval)."""
+        if not metrics:
+            return
         cfg = dataclasses.replace(self.job.logging, console=False)
-        with MetricsLogger(cfg, self.run_dir / "rl", is_logging_rank=self.rank0) as logger:
-            logger.log(step, metrics, force=True)
+        rl_dir = self.run_dir / "rl"
+        with MetricsLogger(cfg, rl_dir, is_logging_rank=self.rank0, metrics_file=EVAL_FILE) as lg:
+            lg.log(step, metrics, force=True)
 
     def sft_stage(self):
         job, p = self.job, self.parallel
@@ -494,7 +499,7 @@ class Controller:
                         run.policy_version,
                     )
                 if job.rl.eval_interval and run.step % job.rl.eval_interval == 0:
-                    m |= self._evaluate(rl.rollout)
+                    self._log_eval(run.step, self._evaluate(rl.rollout))
                 elapsed = time.perf_counter() - self._clock
                 if job.rl.time_budget_s:  # rank 0's clock decides for every rank
                     out_of_time = bool(broadcast_from_rank0(elapsed >= job.rl.time_budget_s))

@@ -29,6 +29,8 @@ from typing import Any, ClassVar
 import torch
 
 METRICS_FILE = "metrics.jsonl"
+#: held-out evaluations of the RL stage, one record per evaluation (``step`` = policy version)
+EVAL_FILE = "eval.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 
 #: Standard metric names written by the controller (unit after the colon).
@@ -136,6 +138,8 @@ class MetricsLogger:
         total_steps: number of train steps, for the progress bar (None = unknown).
         initial_step: first step number (a resumed run starts the bar there).
         stage: the stage's name, shown first on the bar and on every progress line.
+        metrics_file: the JSONL file's name in `run_dir` (`METRICS_FILE`: one record per train
+            step; `EVAL_FILE`: the held-out evaluations).
     """
 
     def __init__(
@@ -147,6 +151,7 @@ class MetricsLogger:
         total_steps: int | None = None,
         initial_step: int = 0,
         stage: str = "",
+        metrics_file: str = METRICS_FILE,
     ) -> None:
         self.config = config
         self.enabled = is_logging_rank
@@ -163,7 +168,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.run_dir / METRICS_FILE, "a", buffering=1)  # line buffered
+        self._file = open(self.run_dir / metrics_file, "a", buffering=1)  # line buffered
         if config.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

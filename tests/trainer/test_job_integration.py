@@ -78,9 +78,8 @@ def _records(path: Path) -> list[dict]:
 
 
 def _check_run(run_dir: Path, steps: int, max_staleness: int) -> list[dict]:
-    recs = _records(run_dir / "rl" / "metrics.jsonl")
-    evals = [r for r in recs if "policy/update_ok" not in r]  # held-out evaluations
-    recs = [r for r in recs if "policy/update_ok" in r]
+    recs = _records(run_dir / "rl" / "metrics.jsonl")  # one record per train step
+    evals = _records(run_dir / "rl" / "eval.jsonl")  # held-out evaluations
     assert [r["step"] for r in recs] == list(range(1, steps + 1))
     assert [r["step"] for r in evals] == [0, steps]  # before RL, after it
     assert all(0.0 <= r["eval/success_rate"] <= 1.0 for r in evals)
