@@ -35,7 +35,7 @@ $(VLLM_VENV)/.installed: tools/install_vllm.sh
 
 # The tests use the real model (tests/real_model, the SmolLM2 example config): `smollm2` first.
 test: install vllm smollm2
-	$(PY) -m pytest -q --timeout=1200 $(PYTEST_ARGS)
+	$(PY) -m pytest -q --timeout=1200 --durations=25 $(PYTEST_ARGS)
 
 test-fast: install smollm2
 	$(PY) -m pytest -q -m "not distributed and not integration and not vllm" $(PYTEST_ARGS)

@@ -138,7 +138,15 @@ start() {  # name logfile command...
         say "$name already running (pid $(cat "$STATE_DIR/$name.pid"))"
         return
     fi
-    setsid "$@" >>"$LOG_DIR/$name.stdout" 2>&1 < /dev/null &
+    # Close every inherited descriptor above 2 first: a daemon must not hold its caller's open
+    # files (a `flock` held by the caller would otherwise stay locked for the daemon's life).
+    (
+        for fd in /proc/self/fd/*; do
+            n="${fd##*/}"
+            (( n > 2 )) && eval "exec $n>&-" 2>/dev/null
+        done
+        exec setsid "$@"
+    ) >>"$LOG_DIR/$name.stdout" 2>&1 < /dev/null &
     echo $! > "$STATE_DIR/$name.pid"
     say "started $name (pid $!, log $logf)"
 }
