@@ -615,7 +615,7 @@ def test_make_agent_environment_from_config_strings():
     env = make_agent_environment(
         agent="examples/agents/calculator_agent.py:run",
         task="examples/agents/calculator_agent.py:make_task",
-        name="calculator",
+        env_name="calculator",
         max_turns=4,
     )
     assert env.name == "calculator" and env.max_turns == 4 and env.step_timeout_s is None

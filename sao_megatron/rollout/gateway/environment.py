@@ -163,14 +163,16 @@ def make_agent_environment(
     *,
     agent: str | AgentFn,
     task: str | Callable[[int], Any],
-    name: str = "agent",
+    env_name: str = "agent",
     max_turns: int | None = None,
 ) -> AgentEnvironment:
     """The ``agent`` environment of a job config (``tasks.train: [{name: agent, options:
     {agent: "examples/agents/calculator_agent.py:run", task: "...:make_task"}}]``).
 
-    The time limits are the rollout's (``rollout.step_timeout_s``/``episode_timeout_s``, one
-    home for every episode); ``max_turns`` caps this agent below ``rollout.max_turns``."""
+    Options: ``agent``/``task`` as for `resolve`; ``env_name``: the name recorded in each
+    trajectory's ``info["env"]`` (not ``name``, which is the registry's: ``agent``);
+    ``max_turns`` caps this agent below ``rollout.max_turns``. The time limits are the
+    rollout's (``rollout.step_timeout_s``/``episode_timeout_s``, one home for every episode)."""
     run = resolve(agent, "agent")
     if not inspect.iscoroutinefunction(run):
         raise ValueError(
@@ -178,4 +180,4 @@ def make_agent_environment(
         )
     if max_turns is not None and max_turns < 1:
         raise ValueError(f"tasks.train[].options.max_turns={max_turns!r}: must be >= 1 or null")
-    return AgentEnvironment(run, resolve(task, "task"), name=name, max_turns=max_turns)
+    return AgentEnvironment(run, resolve(task, "task"), name=env_name, max_turns=max_turns)
