@@ -169,6 +169,19 @@ def test_calculator_agent_multi_turn_tool_call(formatter):
     assert engine.seeds[0] is not None and engine.seeds[0] != engine.seeds[1]
 
 
+@pytest.mark.parametrize(("second", "reward"), [("ANSWER: {answer}", 1.0), ("no idea", 0.0)])
+def test_calculator_agent_reminds_the_answer_format_once(formatter, second, reward):
+    """A reply with neither a tool call nor ``ANSWER:`` gets one reminder turn; the reply to
+    the reminder is scored whatever it holds."""
+    task = calc.make_task(1)
+    script = ["I think it is large.", second.format(answer=task["answer"]), "never asked"]
+    out, engine = asyncio.run(_episode(formatter, calc.run, task, script))
+    assert out.status == EpisodeStatus.COMPLETED and out.reward == reward
+    assert len(out.trajectory.nodes) == len(engine.prompts) == 2
+    delta = formatter.hf.decode(out.trajectory.nodes[1].observation_token_ids)
+    assert delta == f"\n<|im_start|>user\n{calc.REMINDER}<|im_end|>\n<|im_start|>assistant\n"
+
+
 def test_openai_response_fields(formatter):
     """What the SDK sees: content, tool_calls (parsed), finish_reason, usage, ignored params."""
     seen = {}
