@@ -27,7 +27,7 @@ from sao_megatron.rollout.status import EpisodeStatus, failure_for
 
 
 def _limit(own: float | None, config: RolloutConfig, name: str) -> float | None:
-    """The environment's own limit, else the rollout's (the proposed RolloutConfig field)."""
+    """The environment's own limit, else the rollout's (``rollout.<name>``)."""
     return own if own is not None else getattr(config, name, None)
 
 
@@ -118,7 +118,7 @@ class AgentEnvironment:
 
     async def run_episode(self, **kw: Any) -> Trajectory:
         """The manager's hook: the trainable trajectory, or the status's exception
-        (`EngineEpisodeError`/`StaleEpisodeFailure` are requeued, the others dropped)."""
+        (`failure_for`; the manager requeues or drops it by ``rollout.requeue_statuses``)."""
         out = await self.run(**kw)
         if out.trainable:
             return out.trajectory
