@@ -135,6 +135,9 @@ def test_sao_trains_the_calculator_agent(smollm2_2layer, tmp_path):  # noqa: F81
         assert m["deviation/abs_one_minus_ratio_mean"] < 0.05  # fp32 engine == trainer
         for s in STATUSES + ("aborted_stale",):
             assert f"episodes/{s}" in m
+    # every dropped episode is an injected crash (no gateway or engine failure)
+    dropped = [ln for ln in (p.stdout + p.stderr).splitlines() if "dropped after attempt" in ln]
+    assert dropped and all("injected agent failure" in ln for ln in dropped), dropped[:3]
     last = metrics[-1]
     assert last["episodes/agent_error"] >= 1  # the injected failures, counted, not trained
     assert last["episodes/completed"] + last["episodes/truncated"] >= 12

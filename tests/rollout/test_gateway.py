@@ -448,6 +448,40 @@ def test_make_task_failure_is_env_error(formatter):
     assert env.last_outcome.status == EpisodeStatus.ENV_ERROR
 
 
+def test_first_wave_of_episodes_waits_for_the_shared_gateway(formatter):
+    """The first episodes of a loop all call `shared_gateway()` at once (the manager's first
+    wave): each gets the one gateway only once it listens on its port (handing it out earlier
+    gave port 0 and an `openai.APIConnectionError` in every episode but the first)."""
+    from sao_megatron.rollout.gateway import close_shared_gateway, shared_gateway
+
+    async def main():
+        try:
+            outs = await asyncio.gather(
+                *(
+                    run_agent_episode(
+                        _agent_looping(ret=0.5),
+                        None,
+                        formatter=formatter,
+                        generate=ScriptedEngine(formatter, REPLIES),
+                        config=CONFIG,
+                        task_id=f"wave/{i}",
+                    )
+                    for i in range(6)
+                )
+            )
+            gw = await shared_gateway()
+            same = gw is await shared_gateway()
+            port = gw.port
+        finally:
+            await close_shared_gateway()
+        return outs, gw, same, port
+
+    outs, gw, same, port = asyncio.run(main())
+    assert [o.status for o in outs] == [EpisodeStatus.COMPLETED] * 6, [o.error for o in outs]
+    assert all(o.reward == 0.5 and len(o.trajectory.nodes) == 2 for o in outs)
+    assert same and port > 0 and not gw.serving  # one gateway per loop, closed at the end
+
+
 def test_concurrent_requests_and_unknown_key(formatter):
     async def agent(task, client):
         msgs = [{"role": "user", "content": "x"}]

@@ -47,6 +47,7 @@ class ChatGateway:
         self.host, self.port = host, port
         self.sessions: dict[str, Session] = {}
         self._runner: web.AppRunner | None = None
+        self.serving = False  # True once it listens on its port
 
     @property
     def base_url(self) -> str:
@@ -62,9 +63,11 @@ class ChatGateway:
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
         self.port = int(self._runner.addresses[0][1])
+        self.serving = True
         return self
 
     async def aclose(self) -> None:
+        self.serving = False
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -110,22 +113,30 @@ class ChatGateway:
             return _error(500, f"gateway error: {e}", "internal_error")
 
 
-_SHARED: dict[int, ChatGateway] = {}
+#: id(loop) -> (loop, its gateway, the lock that serialises starting it)
+_SHARED: dict[int, tuple[asyncio.AbstractEventLoop, ChatGateway | None, asyncio.Lock]] = {}
 
 
 async def shared_gateway() -> ChatGateway:
-    """The gateway of the running event loop, started on first use (one port per loop)."""
+    """The gateway of the running event loop, started on first use (one port per loop).
+
+    Concurrent first calls (the first wave of episodes) all wait for the one start: a gateway
+    is handed out only once it listens on its port."""
     loop = asyncio.get_running_loop()
-    gw = _SHARED.get(id(loop))
-    if gw is None or gw._runner is None:
-        gw = ChatGateway()
-        _SHARED[id(loop)] = gw
-        await gw.start()
+    entry = _SHARED.get(id(loop))
+    if entry is None or entry[0] is not loop:  # a new loop (ids of dead loops are reused)
+        entry = _SHARED[id(loop)] = (loop, None, asyncio.Lock())
+    async with entry[2]:
+        _, gw, lock = _SHARED[id(loop)]
+        if gw is None or not gw.serving:
+            gw = await ChatGateway().start()
+            _SHARED[id(loop)] = (loop, gw, lock)
     return gw
 
 
 async def close_shared_gateway() -> None:
     """Stop the running loop's shared gateway (the manager's `_shutdown` calls it)."""
-    gw = _SHARED.pop(id(asyncio.get_running_loop()), None)
-    if gw is not None:
-        await gw.aclose()
+    loop = asyncio.get_running_loop()
+    entry = _SHARED.pop(id(loop), None)
+    if entry is not None and entry[0] is loop and entry[1] is not None:
+        await entry[1].aclose()
