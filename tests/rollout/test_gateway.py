@@ -681,12 +681,10 @@ def test_make_agent_environment_from_config_strings():
 
 
 def test_agent_environment_takes_the_rollout_time_limits(formatter):
-    """Without its own limits an AgentEnvironment uses rollout.step_timeout_s (the proposed
-    RolloutConfig field; set here as an attribute until RolloutConfig has it)."""
+    """Without its own limits an AgentEnvironment uses rollout.step_timeout_s."""
     import dataclasses
 
-    cfg = dataclasses.replace(CONFIG)
-    cfg.step_timeout_s = 0.3
+    cfg = dataclasses.replace(CONFIG, step_timeout_s=0.3)
     env = AgentEnvironment(_agent_looping(sleep_after_first=5.0), lambda seed: None)
 
     async def main():
