@@ -118,6 +118,7 @@ def make_task(seed: int) -> dict:
 
 
 ANSWER_RE = re.compile(r"ANSWER:\s*(-?\d+(?:\.\d+)?)")
+REMINDER = "Give your final answer as 'ANSWER: <number>'."
 
 
 def score(text: str | None, answer: int) -> float:
@@ -138,20 +139,28 @@ def run_tool(name: str, arguments: str) -> str:
 
 
 async def run(task: dict, client) -> float:
-    """The agent: ask, execute the calculator calls the model makes, score the final answer."""
+    """The agent: ask, execute the calculator calls the model makes, score the final answer.
+
+    A reply with neither a tool call nor ``ANSWER:`` gets one reminder of the answer format
+    (`REMINDER`) before it is scored."""
     messages: list[dict] = [
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": task["question"]},
     ]
+    reminded = False
     for _ in range(MAX_TURNS):
         reply = await client.chat.completions.create(
             model="policy", messages=messages, tools=TOOLS, max_tokens=96
         )
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
-        if not message.tool_calls:
+        if message.tool_calls:
+            for call in message.tool_calls:
+                result = run_tool(call.function.name, call.function.arguments)
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+            continue
+        if reminded or ANSWER_RE.search(message.content or ""):
             return score(message.content, task["answer"])
-        for call in message.tool_calls:
-            result = run_tool(call.function.name, call.function.arguments)
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+        messages.append({"role": "user", "content": REMINDER})
+        reminded = True
     return 0.0

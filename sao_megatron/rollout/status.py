@@ -98,15 +98,18 @@ class EngineEpisodeError(EpisodeFailure, EngineError):
     status = EpisodeStatus.ENGINE_ERROR
 
 
-class StaleEpisodeFailure(EpisodeFailure, StaleEpisodeError):
-    """The episode's oldest token exceeds ``rollout.max_staleness`` (the manager requeues)."""
+class StaleEpisodeFailure(EpisodeFailure, StaleEpisodeError, EpisodeError):
+    """The episode's oldest token exceeds ``rollout.max_staleness``. An `EpisodeError` too, so
+    the manager's episode handling counts it and requeues or drops it by its status (requeued
+    by default, `DEFAULT_REQUEUE`) instead of treating it as a rollout bug."""
 
     status = EpisodeStatus.ABORTED_STALE
 
 
 def failure_for(status: EpisodeStatus | str, message: str) -> EpisodeFailure:
-    """The exception class of `status` (the manager's existing handling follows its base:
-    `EngineError`/`StaleEpisodeError` are requeued, `EpisodeError` dropped)."""
+    """The exception class of `status`. The manager handles it by its base class
+    (`EngineError`, `EpisodeError`) and then requeues or drops it by its status
+    (``rollout.requeue_statuses``)."""
     s = EpisodeStatus(status)
     cls = {
         EpisodeStatus.ENV_ERROR: EnvStepError,

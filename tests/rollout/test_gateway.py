@@ -169,6 +169,19 @@ def test_calculator_agent_multi_turn_tool_call(formatter):
     assert engine.seeds[0] is not None and engine.seeds[0] != engine.seeds[1]
 
 
+@pytest.mark.parametrize(("second", "reward"), [("ANSWER: {answer}", 1.0), ("no idea", 0.0)])
+def test_calculator_agent_reminds_the_answer_format_once(formatter, second, reward):
+    """A reply with neither a tool call nor ``ANSWER:`` gets one reminder turn; the reply to
+    the reminder is scored whatever it holds."""
+    task = calc.make_task(1)
+    script = ["I think it is large.", second.format(answer=task["answer"]), "never asked"]
+    out, engine = asyncio.run(_episode(formatter, calc.run, task, script))
+    assert out.status == EpisodeStatus.COMPLETED and out.reward == reward
+    assert len(out.trajectory.nodes) == len(engine.prompts) == 2
+    delta = formatter.hf.decode(out.trajectory.nodes[1].observation_token_ids)
+    assert delta == f"\n<|im_start|>user\n{calc.REMINDER}<|im_end|>\n<|im_start|>assistant\n"
+
+
 def test_openai_response_fields(formatter):
     """What the SDK sees: content, tool_calls (parsed), finish_reason, usage, ignored params."""
     seen = {}
@@ -435,6 +448,40 @@ def test_make_task_failure_is_env_error(formatter):
     assert env.last_outcome.status == EpisodeStatus.ENV_ERROR
 
 
+def test_first_wave_of_episodes_waits_for_the_shared_gateway(formatter):
+    """The first episodes of a loop all call `shared_gateway()` at once (the manager's first
+    wave): each gets the one gateway only once it listens on its port (handing it out earlier
+    gave port 0 and an `openai.APIConnectionError` in every episode but the first)."""
+    from sao_megatron.rollout.gateway import close_shared_gateway, shared_gateway
+
+    async def main():
+        try:
+            outs = await asyncio.gather(
+                *(
+                    run_agent_episode(
+                        _agent_looping(ret=0.5),
+                        None,
+                        formatter=formatter,
+                        generate=ScriptedEngine(formatter, REPLIES),
+                        config=CONFIG,
+                        task_id=f"wave/{i}",
+                    )
+                    for i in range(6)
+                )
+            )
+            gw = await shared_gateway()
+            same = gw is await shared_gateway()
+            port = gw.port
+        finally:
+            await close_shared_gateway()
+        return outs, gw, same, port
+
+    outs, gw, same, port = asyncio.run(main())
+    assert [o.status for o in outs] == [EpisodeStatus.COMPLETED] * 6, [o.error for o in outs]
+    assert all(o.reward == 0.5 and len(o.trajectory.nodes) == 2 for o in outs)
+    assert same and port > 0 and not gw.serving  # one gateway per loop, closed at the end
+
+
 def test_concurrent_requests_and_unknown_key(formatter):
     async def agent(task, client):
         msgs = [{"role": "user", "content": "x"}]
@@ -615,7 +662,7 @@ def test_make_agent_environment_from_config_strings():
     env = make_agent_environment(
         agent="examples/agents/calculator_agent.py:run",
         task="examples/agents/calculator_agent.py:make_task",
-        name="calculator",
+        env_name="calculator",
         max_turns=4,
     )
     assert env.name == "calculator" and env.max_turns == 4 and env.step_timeout_s is None
@@ -634,12 +681,10 @@ def test_make_agent_environment_from_config_strings():
 
 
 def test_agent_environment_takes_the_rollout_time_limits(formatter):
-    """Without its own limits an AgentEnvironment uses rollout.step_timeout_s (the proposed
-    RolloutConfig field; set here as an attribute until RolloutConfig has it)."""
+    """Without its own limits an AgentEnvironment uses rollout.step_timeout_s."""
     import dataclasses
 
-    cfg = dataclasses.replace(CONFIG)
-    cfg.step_timeout_s = 0.3
+    cfg = dataclasses.replace(CONFIG, step_timeout_s=0.3)
     env = AgentEnvironment(_agent_looping(sleep_after_first=5.0), lambda seed: None)
 
     async def main():

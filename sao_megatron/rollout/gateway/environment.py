@@ -1,0 +1,183 @@
+"""An agent function as a rollout environment, and the ``agent`` environment of job configs.
+
+`AgentEnvironment(run, make_task)` is what the rollout manager runs through its agent hook
+(``run_episode``) instead of the text-step loop; `make_agent_environment` builds one from a job
+config's ``tasks.train: [{name: agent, options: {agent: "file.py:run", task:
+"file.py:make_task"}}]`` (`resolve` loads ``"package.module:name"`` or ``"path/to/file.py:name"``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sao_megatron.data.trajectory import Trajectory
+from sao_megatron.rollout.config import RolloutConfig
+from sao_megatron.rollout.engine import REPO_ROOT
+from sao_megatron.rollout.gateway.episode import AgentFn, AgentOutcome, run_agent_episode
+from sao_megatron.rollout.gateway.server import ChatGateway
+from sao_megatron.rollout.runner import GenerateFn
+from sao_megatron.rollout.status import EpisodeStatus, failure_for
+
+
+def _limit(own: float | None, config: RolloutConfig, name: str) -> float | None:
+    """The environment's own limit, else the rollout's (``rollout.<name>``)."""
+    return own if own is not None else getattr(config, name, None)
+
+
+class AgentEnvironment:
+    """An agent function as a rollout environment: the manager runs it with `run_episode`.
+
+    Args:
+        agent: ``async def run(task, client) -> float``.
+        make_task: ``seed -> task`` (plain or async; what the agent receives as ``task``).
+        step_timeout_s, episode_timeout_s: limits (see `run_agent_episode`); None: the
+            rollout's ``rollout.step_timeout_s`` / ``rollout.episode_timeout_s`` (None there: none).
+        max_turns: model calls before truncation (capped by ``rollout.max_turns``).
+        gateway: a running `ChatGateway`; default the loop's `shared_gateway()`.
+
+    ``reset``/``step`` raise TypeError: an agent is not stepped by the runner's text loop.
+    """
+
+    def __init__(
+        self,
+        agent: AgentFn,
+        make_task: Callable[[int], Any],
+        *,
+        name: str = "agent",
+        step_timeout_s: float | None = None,
+        episode_timeout_s: float | None = None,
+        max_turns: int | None = None,
+        gateway: ChatGateway | None = None,
+    ) -> None:
+        self.agent, self.make_task, self.name = agent, make_task, name
+        self.step_timeout_s, self.episode_timeout_s = step_timeout_s, episode_timeout_s
+        self.max_steps = max_turns or 1_000_000
+        self.max_turns = max_turns
+        self.gateway = gateway
+        self.last_outcome: AgentOutcome | None = None
+
+    def reset(self, seed: int):
+        raise TypeError(
+            "AgentEnvironment is run by AgentEnvironment.run_episode (the rollout manager's agent "
+            "hook), not by the text-step runner"
+        )
+
+    step = reset
+
+    async def run(
+        self,
+        *,
+        seed: int,
+        task_id: str,
+        formatter: Any,
+        generate: GenerateFn,
+        config: RolloutConfig,
+        group_index: int = 0,
+        is_stale: Callable[[int], bool] = lambda version: False,
+        episode_id: str | None = None,
+    ) -> AgentOutcome:
+        """One episode as an `AgentOutcome` (never raises for episode failures)."""
+        t0 = time.monotonic()
+        try:
+            task = self.make_task(seed)
+            if inspect.isawaitable(task):
+                task = await task
+        except Exception as e:  # noqa: BLE001 - the task source failed: this episode only
+            msg = f"{task_id}: make_task({seed}) raised {type(e).__name__}: {e}"
+            self.last_outcome = AgentOutcome(
+                EpisodeStatus.ENV_ERROR, None, None, msg, time.monotonic() - t0
+            )
+            return self.last_outcome
+        out = await run_agent_episode(
+            self.agent,
+            task,
+            formatter=formatter,
+            generate=generate,
+            config=config,
+            task_id=task_id,
+            group_index=group_index,
+            episode_id=episode_id,
+            is_stale=is_stale,
+            gateway=self.gateway,
+            step_timeout_s=_limit(self.step_timeout_s, config, "step_timeout_s"),
+            episode_timeout_s=_limit(self.episode_timeout_s, config, "episode_timeout_s"),
+            max_turns=self.max_turns,
+        )
+        if out.trajectory is not None:
+            out.trajectory.info.setdefault("env", self.name)
+            out.trajectory.info.setdefault("seed", seed)
+        self.last_outcome = out
+        return out
+
+    async def run_episode(self, **kw: Any) -> Trajectory:
+        """The manager's hook: the trainable trajectory, or the status's exception
+        (`failure_for`; the manager requeues or drops it by ``rollout.requeue_statuses``)."""
+        out = await self.run(**kw)
+        if out.trainable:
+            return out.trajectory
+        raise failure_for(out.status, f"{kw.get('task_id')}: {out.status}: {out.error}")
+
+
+def resolve(spec: str | Callable, what: str = "agent") -> Callable:
+    """A callable from ``"package.module:name"`` or ``"path/to/file.py:name"`` (or itself).
+
+    Raises ValueError naming ``tasks.train[].options.<what>`` when it cannot be found."""
+    if callable(spec):
+        return spec
+    where = f"tasks.train[].options.{what}={spec!r}"
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ValueError(f"{where}: give 'package.module:function' or 'file.py:function'")
+    module, _, name = spec.rpartition(":")
+    try:
+        if module.endswith(".py"):
+            path = Path(module)
+            if not path.is_absolute():
+                path = REPO_ROOT / path if not path.exists() else path.resolve()
+            key = f"sao_agent_{abs(hash(str(path)))}"
+            mod = sys.modules.get(key)
+            if mod is None:
+                loader_spec = importlib.util.spec_from_file_location(key, path)
+                if loader_spec is None or loader_spec.loader is None:
+                    raise ImportError(f"cannot load {path}")
+                mod = importlib.util.module_from_spec(loader_spec)
+                loader_spec.loader.exec_module(mod)
+                sys.modules[key] = mod
+        else:
+            mod = importlib.import_module(module)
+        fn = getattr(mod, name)
+    except (ImportError, OSError, AttributeError) as e:
+        raise ValueError(f"{where}: {type(e).__name__}: {e}") from e
+    if not callable(fn):
+        raise ValueError(f"{where}: {name!r} is not callable")
+    return fn
+
+
+def make_agent_environment(
+    *,
+    agent: str | AgentFn,
+    task: str | Callable[[int], Any],
+    env_name: str = "agent",
+    max_turns: int | None = None,
+) -> AgentEnvironment:
+    """The ``agent`` environment of a job config (``tasks.train: [{name: agent, options:
+    {agent: "examples/agents/calculator_agent.py:run", task: "...:make_task"}}]``).
+
+    Options: ``agent``/``task`` as for `resolve`; ``env_name``: the name recorded in each
+    trajectory's ``info["env"]`` (not ``name``, which is the registry's: ``agent``);
+    ``max_turns`` caps this agent below ``rollout.max_turns``. The time limits are the
+    rollout's (``rollout.step_timeout_s``/``episode_timeout_s``, one home for every episode)."""
+    run = resolve(agent, "agent")
+    if not inspect.iscoroutinefunction(run):
+        raise ValueError(
+            f"tasks.train[].options.agent={agent!r}: must be an `async def run(task, client)`"
+        )
+    if max_turns is not None and max_turns < 1:
+        raise ValueError(f"tasks.train[].options.max_turns={max_turns!r}: must be >= 1 or null")
+    return AgentEnvironment(run, resolve(task, "task"), name=env_name, max_turns=max_turns)
