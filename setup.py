@@ -19,7 +19,7 @@ INSTALL_REQUIRES = [
     "matplotlib>=3.8",
     "requests>=2.31",
     "httpx>=0.27,<1",  # rollout: async HTTP client of the vLLM engines
-    "aiohttp>=3.9,<4",  # rollout: the agents' OpenAI-compatible chat gateway (rollout/gateway.py)
+    "aiohttp>=3.9,<4",  # rollout: the agents' OpenAI-compatible chat gateway (rollout/gateway/)
     "openai>=1.40,<2",  # the client agent code is written against (examples/agents, tests)
     "minigrid>=3.0,<3.3",  # BabyAI levels + expert bot (sao_megatron/envs/babyai.py), offline
     # convert tests (reference logits of tiny HF models) and HF tokenizers; <5: 5.x fuses MoE experts

@@ -482,7 +482,7 @@ class RolloutManager:
             "episode_id": episode_id,
         }
         try:
-            agent_run = getattr(env, "run_episode", None)  # an AgentEnvironment (gateway.py)
+            agent_run = getattr(env, "run_episode", None)  # an AgentEnvironment (rollout/gateway/)
             if agent_run is not None:  # enforces rollout.episode_timeout_s itself
                 traj = await agent_run(**kw)
             else:
