@@ -352,6 +352,9 @@ class RLStep:
         out.behaviour_logprobs = pad(b.behaviour_logprobs, 0.0)
         out.policy_versions = pad(b.policy_versions, -1)
         out.row_trajectory = pad(b.row_trajectory, -1)
+        if b.routed_experts is not None:
+            out.routed_experts = pad(b.routed_experts, 0)
+            out.routing_mask = pad(b.routing_mask, False)
         assert out.token_ids.shape == (num_rows, t)
         return out
 
