@@ -157,6 +157,16 @@ class RoutingReplay:
                 per_chunk.append(replay)
             self.layers.append(per_chunk)
 
+    @classmethod
+    def for_parallel(cls, chunks: Sequence[torch.nn.Module], parallel) -> RoutingReplay:
+        """`RoutingReplay` with the TP coordinates of a `ParallelState`."""
+        return cls(
+            chunks,
+            tp_rank=parallel.tp_rank,
+            tp_size=parallel.cfg.tp,
+            sequence_parallel=parallel.cfg.sequence_parallel,
+        )
+
     @property
     def num_local_layers(self) -> int:
         return sum(len(c) for c in self.layers)

@@ -24,7 +24,8 @@ def _rope(x, pos, theta):
 
 
 def forward64(hf: dict[str, torch.Tensor], cfg, ids: torch.Tensor, routing=None, router_noise=None):
-    """Logits [B, T, V] float64 and the routing used [B, T, L, k] int64.
+    """Logits [B, T, V] float64, the routing used and each router's own top-k on its input
+    ([B, T, L, k] int64 both; they differ only where `routing` forced other experts).
 
     Args:
         hf: HF-named weights of a Qwen3-MoE (`megatron_to_hf_tensors` of the model).
@@ -44,6 +45,7 @@ def forward64(hf: dict[str, torch.Tensor], cfg, ids: torch.Tensor, routing=None,
     hd = cfg.head_dim or cfg.hidden_size // nh
     k_top = cfg.num_experts_per_tok
     used = torch.zeros(b, t, cfg.num_hidden_layers, k_top, dtype=torch.long)
+    own = torch.zeros_like(used)
     causal = torch.ones(t, t, dtype=torch.bool).tril()
     for layer in range(cfg.num_hidden_layers):
         p = f"model.layers.{layer}."
@@ -67,6 +69,7 @@ def forward64(hf: dict[str, torch.Tensor], cfg, ids: torch.Tensor, routing=None,
             gate = gate + router_noise[layer].double()
         logits = x @ gate.T  # [B, T, E]
         top = logits.topk(k_top, dim=-1).indices
+        own[:, :, layer] = top
         if routing is not None:
             forced, where = routing
             top = torch.where(where[..., None], forced[:, :, layer, :].long(), top)
@@ -86,7 +89,7 @@ def forward64(hf: dict[str, torch.Tensor], cfg, ids: torch.Tensor, routing=None,
                 y[sel] += gw[..., j][sel][:, None] * (fe @ w[q_ + "down_proj.weight"].T)
         h = h + y
     h = _rms(h, w["model.norm.weight"], eps)
-    return h @ w["lm_head.weight"].T, used
+    return h @ w["lm_head.weight"].T, used, own
 
 
 def logprobs64(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0):

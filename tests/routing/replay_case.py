@@ -38,12 +38,16 @@ def make_case(hf: dict[str, torch.Tensor], model_cfg, noise_scale: float = 0.5) 
         gate = hf[f"model.layers.{layer}.mlp.gate.weight"]
         noise[layer] = noise_scale * gate.std() * torch.randn(gate.shape, generator=g)
     with torch.no_grad():
-        _, recorded = forward64(hf, model_cfg, ids, router_noise=noise)
+        _, recorded, _ = forward64(hf, model_cfg, ids, router_noise=noise)
         mask = torch.ones(B, T, dtype=torch.bool)
         mask[:, -1] = False
-        logits_r, _ = forward64(hf, model_cfg, ids, routing=(recorded, mask))
-        logits_n, natural = forward64(hf, model_cfg, ids)
-    differs = (recorded.sort(-1).values != natural.sort(-1).values).any(-1)  # [B, T, L]
+        logits_r, _, own_replayed = forward64(hf, model_cfg, ids, routing=(recorded, mask))
+        logits_n, natural, _ = forward64(hf, model_cfg, ids)
+
+    def flips(a, b):  # [B, T, L] where the expert sets differ
+        return (a.sort(-1).values != b.sort(-1).values).any(-1)
+
+    differs = flips(recorded, natural)
     flip = float(differs[mask].double().mean())
     return {
         "ids": ids,
@@ -53,4 +57,6 @@ def make_case(hf: dict[str, torch.Tensor], model_cfg, noise_scale: float = 0.5) 
         "natural_lp": logprobs64(logits_n, ids),
         "flip_frac": flip,
         "num_flips": int(differs[mask].sum()),
+        # the routers' own choice on the inputs of the replayed forward vs the recorded one
+        "num_flips_replayed": int(flips(recorded, own_replayed)[mask].sum()),
     }
