@@ -48,6 +48,7 @@ router (Megatron's ``REPLAY_BACKWARD``) is not supported (the trainer does not r
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -80,6 +81,7 @@ class LayerRoutingReplay(RouterReplay):
         self.count_tokens = count_tokens
         self.num_compared = 0
         self.num_mismatched = 0
+        self.on_compare = None  # session callback: ([n] bool differs & valid) -> None
 
     def set_targets(self, topk_idx: torch.Tensor | None, valid: torch.Tensor | None) -> None:
         """Rows for the next forward ([n, k] int64 and [n] bool), or None to route as usual."""
@@ -88,6 +90,7 @@ class LayerRoutingReplay(RouterReplay):
     def clear_indices(self) -> None:
         super().clear_indices()
         self.target_valid = None
+        self.on_compare = None
 
     def get_replay_topk(
         self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None
@@ -108,11 +111,13 @@ class LayerRoutingReplay(RouterReplay):
             )
         target = target.to(scores.device)
         valid = self.target_valid.to(scores.device)
-        if self.count_tokens:
-            with torch.no_grad():
-                differs = (own_idx.sort(-1).values != target.sort(-1).values).any(-1)
+        with torch.no_grad():
+            differs = (own_idx.sort(-1).values != target.sort(-1).values).any(-1) & valid
+            if self.count_tokens:
                 self.num_compared += int(valid.sum())
-                self.num_mismatched += int((differs & valid).sum())
+                self.num_mismatched += int(differs.sum())
+            if self.on_compare is not None:
+                self.on_compare(differs.cpu())
         if self.router_replay_action != RouterReplayAction.REPLAY_FORWARD:
             return own_scores, own_idx
         idx = torch.where(valid[:, None], target, own_idx)
@@ -146,6 +151,7 @@ class RoutingReplay:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.sequence_parallel = sequence_parallel and tp_size > 1
         count = self.sequence_parallel or tp_rank == 0
+        self.last_differs: torch.Tensor | None = None
         self.layers: list[list[LayerRoutingReplay]] = []
         for chunk in self.chunks:
             per_chunk = []
@@ -217,6 +223,10 @@ class RoutingReplay:
             routed_experts: [B, T, L, k] uint8/int16; routing_mask: [B, T] bool.
             micro_batch_size: as passed to ``forward_backward`` (B must be a multiple).
             replay: True routes to the recorded experts; False only compares (`take_counts`).
+
+        Afterwards ``last_differs`` [B, T] bool is True where some *local* router's own top-k
+        differed from the recorded one (this rank's layers and, with sequence parallelism, its
+        sequence slice: OR it over the pipeline and tensor-parallel groups for the whole model).
         """
         b, t = token_ids.shape
         if routed_experts.shape[:2] != (b, t) or routing_mask.shape != (b, t):
@@ -231,6 +241,15 @@ class RoutingReplay:
             routing_mask = torch.nn.functional.pad(routing_mask, (0, pad))
             token_ids = torch.nn.functional.pad(token_ids, (0, pad))
         action = RouterReplayAction.REPLAY_FORWARD if replay else None
+        differs_map = torch.zeros(token_ids.shape, dtype=torch.bool)
+        t_pad = token_ids.shape[1]
+        per = t_pad // self.tp_size if self.sequence_parallel else t_pad
+        offset = self.tp_rank * per if self.sequence_parallel else 0
+
+        def fill(start, rows, differs):
+            d = differs.view(per, rows).T  # the router's [s, b] order back to [b, s]
+            differs_map[start : start + rows, offset : offset + per] |= d
+
         handles = []
         for chunk, layers in zip(self.chunks, self.layers, strict=True):
             counter = iter(range(0, b, micro_batch_size))
@@ -254,6 +273,7 @@ class RoutingReplay:
                     )
                     r.set_targets(rows, ok)
                     r.set_router_replay_action(action)
+                    r.on_compare = functools.partial(fill, start, len(want))
 
             handles.append(chunk.register_forward_pre_hook(hook))
         try:
@@ -265,6 +285,7 @@ class RoutingReplay:
                 for r in layers:
                     r.clear_indices()
                     r.clear_router_replay_action()
+            self.last_differs = differs_map[:, :t]
 
 
 __all__ = ["LayerRoutingReplay", "RoutingReplay"]

@@ -346,6 +346,8 @@ class RolloutManager:
         )
         for c in self.clients:  # vLLM starts at version "default"; ours at initial_version
             await c.set_weight_version(self.initial_version)
+            if self.config.records_routing:
+                await c.enable_routing_capture()
 
     async def _shutdown(self) -> None:
         tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
@@ -468,9 +470,13 @@ class RolloutManager:
             raise EpisodeError(f"{task.task_id}: make_env raised {type(e).__name__}: {e}") from e
 
         async def generate(
-            eid: str, prompt: list[int], max_tokens: int, seed: int | None
+            eid: str,
+            prompt: list[int],
+            max_tokens: int,
+            seed: int | None,
+            routing_start: int | None = None,
         ) -> Generation:
-            return await self._generate(eid, prompt, max_tokens, seed)
+            return await self._generate(eid, prompt, max_tokens, seed, routing_start)
 
         kw = {
             "seed": task.seed,
@@ -496,7 +502,12 @@ class RolloutManager:
         return traj
 
     async def _generate(
-        self, episode_id: str, prompt: list[int], max_tokens: int, seed: int | None
+        self,
+        episode_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        seed: int | None,
+        routing_start: int | None = None,
     ) -> Generation:
         cost = len(prompt) + max_tokens
         deadline = time.monotonic() + self.config.request_timeout_s
@@ -517,6 +528,7 @@ class RolloutManager:
                     seed=seed,
                     config=self.config,
                     stop_ids=self.stop_token_ids,
+                    routing_start=routing_start,
                 ),
                 timeout=self.config.request_timeout_s,
             )
@@ -527,6 +539,8 @@ class RolloutManager:
             self.router.end(i, cost, len(gen.token_ids) if gen else 0)
         self.counters["generated_tokens"] += len(gen.token_ids)
         self.counters["requests"] += 1
+        if routing_start is not None and gen.routed_experts is None:
+            self.counters["routing_incomplete_requests"] += 1
         return gen
 
     # ---------------------------------------------------------------- faults
@@ -582,6 +596,8 @@ class RolloutManager:
 
     async def _resync(self, i: int) -> bool:
         c = self.clients[i]
+        if self.config.records_routing:  # a restarted engine starts without the capture
+            await c.enable_routing_capture()
         version = self.publisher.latest_version
         if version is None:  # a restarted engine loads the initial weights again
             await c.set_weight_version(self.initial_version)

@@ -57,6 +57,7 @@ def make_case(hf: dict[str, torch.Tensor], model_cfg, noise_scale: float = 0.5) 
         "natural_lp": logprobs64(logits_n, ids),
         "flip_frac": flip,
         "num_flips": int(differs[mask].sum()),
+        "differs_any": differs.any(-1) & mask,  # [B, T]: some layer's experts differ
         # the routers' own choice on the inputs of the replayed forward vs the recorded one
         "num_flips_replayed": int(flips(recorded, own_replayed)[mask].sum()),
     }

@@ -44,6 +44,10 @@ def _run(cfg, pkw, case):
             counts = torch.tensor(rr.take_counts(), dtype=torch.float64)
             dist.all_reduce(counts)
             key = "replay" if replay else "plain"
+            differs = rr.last_differs.to(torch.int32)
+            for group in (st.pg_collection.tp, st.pg_collection.pp):
+                dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=group)
+            out[f"{key}_differs_ok"] = bool(torch.equal(differs.bool(), case["differs_any"][lo:hi]))
             out[key] = float((lp.double() - case["ref_lp"][lo:hi]).abs().max())
             out[f"{key}_counts"] = counts.tolist()
         out["local_layers"] = rr.num_local_layers

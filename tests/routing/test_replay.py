@@ -51,6 +51,7 @@ def test_replay_matches_reference_and_no_replay_does_not(setup):
     observed = _logprobs(chunk, st, case, rr, replay=False)
     assert torch.equal(observed, plain)  # observing changes nothing, bit for bit
     mism, comp = rr.take_counts()
+    assert torch.equal(rr.last_differs, case["differs_any"])
     assert comp == B * (T - 1) * cfg.num_hidden_layers
     assert mism == case["num_flips"] and mism / comp == pytest.approx(case["flip_frac"])
     replayed = _logprobs(chunk, st, case, rr, replay=True)

@@ -35,6 +35,7 @@ def test_layout_replays_exactly(results, layout):
         compared = B * (T - 1) * layers
         # summed over both ranks, no (token, layer) counted twice or missed
         assert out["plain_counts"] == [case["num_flips"], compared], (rank, out)
+        assert out["plain_differs_ok"], (rank, out)  # per-token map, ORed over TP and PP
         assert out["replay_counts"] == [case["num_flips_replayed"], compared], (rank, out)
         if layout == "pp2":
             assert out["local_layers"] == layers // 2
