@@ -36,6 +36,7 @@ from sao_megatron.data.batch import pack_trajectories  # noqa: E402
 from sao_megatron.data.trajectory import ActionNode, Trajectory  # noqa: E402
 from sao_megatron.rollout.config import RolloutConfig  # noqa: E402
 from sao_megatron.rollout.engine import EngineClient, EngineProcess  # noqa: E402
+from sao_megatron.rollout.tiny_model import SPECIAL_IDS, TINY_MOE  # noqa: E402
 
 SECTION = "Routing replay and bf16 rollouts"
 
@@ -95,8 +96,7 @@ def sample(model_dir: Path, dtype: str, args, logs: Path) -> list[Trajectory]:
 def measure(trajs: list[Trajectory], model_dir: Path) -> dict[str, dict[str, float]]:
     from megatron.core import parallel_state as ps
 
-    from sao_megatron.convert.hf_io import HFCheckpointReader, read_hf_config
-    from sao_megatron.convert.model_config import model_config_from_hf
+    from sao_megatron.convert.hf_io import HFCheckpointReader
     from sao_megatron.convert.model_io import load_hf_into_model
     from sao_megatron.convert.spec import ConversionSpec
     from sao_megatron.models import ModelInputs, build_policy, compute_policy_logprobs
@@ -106,8 +106,10 @@ def measure(trajs: list[Trajectory], model_dir: Path) -> dict[str, dict[str, flo
     if ps.model_parallel_is_initialized():
         destroy_parallel()
     st = initialize_parallel(ParallelConfig())
-    config = read_hf_config(model_dir)
-    (chunk,) = build_policy(model_config_from_hf(config), st)
+    # the tiny model's shape has one home (TINY_MOE); the shared vLLM venv's transformers
+    # writes some Qwen3-MoE fields under newer names (num_local_experts, rope_parameters)
+    config = TINY_MOE.to_hf_config(**SPECIAL_IDS)
+    (chunk,) = build_policy(TINY_MOE, st)
     with HFCheckpointReader(model_dir) as reader:
         load_hf_into_model(chunk, reader, ConversionSpec.from_hf_config(config))
     chunk.eval()
@@ -183,11 +185,17 @@ def main() -> None:
             [str(vllm_py), "-m", "sao_megatron.rollout.tiny_model", str(model)],
             check=True,
             cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
+            env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},  # the vLLM venv alone
             capture_output=True,
         )
         logs = REPO / "runs" / "bench_routing"
-        rows = {d: measure(sample(model, d, args, logs), model) for d in args.dtypes}
+        rows = {}
+        for d in args.dtypes:
+            cache = logs / f"samples_{d}_{args.requests}_{args.prompt_len}_{args.max_tokens}.pt"
+            if not cache.exists():  # engine samples are kept (delete to re-sample)
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                torch.save(sample(model, d, args, logs), cache)
+            rows[d] = measure(torch.load(cache, weights_only=False), model)
     load_after = os.getloadavg()
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
