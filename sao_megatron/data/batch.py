@@ -41,6 +41,11 @@ class TrainBatch:
     top_p, top_k: the engine's nucleus mass and top-k (1.0 / 0: off), shared likewise; the
         trainer scores log-probs under the same truncated distribution
         (`sao_megatron.models.logprobs.token_logprobs_and_entropy`).
+    routed_experts: [B, T, num_layers, top_k] uint8/int16 or None, the experts the engine
+        routed token t to in each layer (0 where not recorded); routing_mask: [B, T] bool,
+        True where recorded (False on padding, on each sequence's last token, and on rows of
+        trajectories without routing). Both None when no trajectory of the batch has routing
+        (sao_megatron.rollout.routing; replayed by sao_megatron.models.routing_replay).
     """
 
     token_ids: torch.Tensor
@@ -59,6 +64,12 @@ class TrainBatch:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    routed_experts: torch.Tensor | None = None
+    routing_mask: torch.Tensor | None = None
+
+    @property
+    def has_routing(self) -> bool:
+        return self.routed_experts is not None
 
     @property
     def num_rows(self) -> int:
@@ -84,6 +95,8 @@ class TrainBatch:
             "policy_versions",
             "row_trajectory",
         )
+        if self.routed_experts is not None:
+            names += ("routed_experts", "routing_mask")
         return {n: getattr(self, n)[index] for n in names}
 
     def micro_batches(self, micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
@@ -175,8 +188,11 @@ def pad_token_sequences(
     """Right-pad token sequences into [B, T] tensors (T = longest, rounded up to a multiple).
 
     Returns a dict with the per-row fields of `TrainBatch`: token_ids, position_ids, loss_mask,
-    action_mask, node_index (-1 on padding), behaviour_logprobs, policy_versions (-1 on padding).
-    Also used for supervised (SFT) sequences, whose action mask marks the trained tokens.
+    action_mask, node_index (-1 on padding), behaviour_logprobs, policy_versions (-1 on padding),
+    and routed_experts / routing_mask when any sequence carries routing (sequences without it
+    get routing_mask False). Also used for supervised (SFT) sequences, whose action mask marks
+    the trained tokens.
+    Raises ValueError when sequences carry routing of different [num_layers, top_k] or dtype.
     """
     if not seqs:
         raise ValueError("pad_token_sequences() got no sequences")
@@ -201,6 +217,21 @@ def pad_token_sequences(
         out["node_index"][r, :n] = seq.node_index
         out["behaviour_logprobs"][r, :n] = seq.behaviour_logprobs
         out["policy_versions"][r, :n] = seq.policy_versions
+    routed = [s.routed_experts for s in seqs if s.routed_experts is not None]
+    if routed:
+        kinds = {(tuple(x.shape[1:]), x.dtype) for x in routed}
+        if len(kinds) > 1:
+            raise ValueError(
+                f"sequences carry routed experts of different [num_layers, top_k]/dtype {kinds}: "
+                "one batch must come from one model"
+            )
+        out["routed_experts"] = torch.zeros((*shape, *routed[0].shape[1:]), dtype=routed[0].dtype)
+        out["routing_mask"] = torch.zeros(shape, dtype=torch.bool)
+        for r, seq in enumerate(seqs):
+            if seq.routed_experts is not None:
+                n = len(seq)
+                out["routed_experts"][r, :n] = seq.routed_experts
+                out["routing_mask"][r, :n] = seq.routing_mask
     return out
 
 

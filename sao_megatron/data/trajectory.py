@@ -50,6 +50,12 @@ class ActionNode:
             "length"``) before a stop token: it was not passed to the environment (reward 0)
             and ended the episode, which is then `Trajectory.truncated` (GAE bootstraps from V
             of the state after it). Only the last node can be truncated.
+        routed_experts: [m, num_layers, top_k] uint8/int16 expert indices the engine routed
+            each token of this node's sequence segment to (full history: observation then
+            action tokens; window: context then action tokens), for the first m tokens of the
+            segment: m is the segment length, or one less where the segment ends a sequence
+            the engine never forwarded to its end (the last sampled token). None when the
+            rollout recorded no routing (`rollout.record_routing`; sao_megatron.rollout.routing).
     """
 
     observation_token_ids: list[int]
@@ -60,6 +66,14 @@ class ActionNode:
     context_token_ids: list[int] | None = None
     action_text: str = ""
     truncated: bool = False
+    routed_experts: torch.Tensor | None = None
+
+    def segment_length(self) -> int:
+        """Tokens of this node's sequence segment (see ``routed_experts``)."""
+        ctx = (
+            self.observation_token_ids if self.context_token_ids is None else self.context_token_ids
+        )
+        return len(ctx) + len(self.action_token_ids)
 
     def validate(self, where: str = "ActionNode") -> None:
         """Raise ValueError naming the field if the node is inconsistent or holds NaN/inf."""
@@ -83,6 +97,14 @@ class ActionNode:
                 )
         if not math.isfinite(self.reward):
             raise ValueError(f"{where}.reward is {self.reward!r}: rewards must be finite numbers")
+        re = self.routed_experts
+        if re is not None:
+            seg = self.segment_length()
+            if re.dim() != 3 or re.dtype not in (torch.uint8, torch.int16) or re.shape[0] > seg:
+                raise ValueError(
+                    f"{where}.routed_experts is {re.dtype} {tuple(re.shape)}: expected uint8/int16 "
+                    f"[m <= {seg}, num_layers, top_k] (one row per token of the node's segment)"
+                )
 
 
 @dataclass(kw_only=True)
@@ -164,6 +186,22 @@ class Trajectory:
                     f"Trajectory[{self.task_id!r}].nodes[{i}].context_token_ids is None in "
                     "'window' context mode: record the prompt the engine was given"
                 )
+        shapes = {
+            None
+            if n.routed_experts is None
+            else (tuple(n.routed_experts.shape[1:]), n.routed_experts.dtype)
+            for n in self.nodes
+        }
+        if len(shapes) > 1:
+            raise ValueError(
+                f"Trajectory[{self.task_id!r}]: nodes disagree on routed_experts ({shapes}): "
+                "record routing for every node with the same [num_layers, top_k] and dtype, or none"
+            )
+
+    @property
+    def has_routing(self) -> bool:
+        """True when every node carries its routed experts (`ActionNode.routed_experts`)."""
+        return bool(self.nodes) and all(n.routed_experts is not None for n in self.nodes)
 
     def to_token_sequence(self) -> TokenSequence:
         """Flatten a full-history trajectory into one sequence with per-token annotations.
@@ -181,7 +219,9 @@ class Trajectory:
         node_index: list[int] = []
         blp: list[float] = []
         ver: list[int] = []
+        routing = _RoutingRows(self.nodes)
         for i, node in enumerate(self.nodes):
+            routing.add(node, len(ids))
             k = len(node.observation_token_ids)
             ids += node.observation_token_ids
             mask += [0] * k
@@ -200,6 +240,7 @@ class Trajectory:
             node_index=torch.tensor(node_index, dtype=torch.long),
             behaviour_logprobs=torch.tensor(blp, dtype=torch.float32),
             policy_versions=torch.tensor(ver, dtype=torch.long),
+            **routing.finish(len(ids)),
         )
 
     def to_node_sequences(self) -> list[TokenSequence]:
@@ -210,6 +251,8 @@ class Trajectory:
             if ctx is None:
                 raise ValueError(f"nodes[{i}].context_token_ids is None: not a windowed trajectory")
             k, m = len(ctx), len(node.action_token_ids)
+            routing = _RoutingRows([node])
+            routing.add(node, 0)
             out.append(
                 TokenSequence(
                     token_ids=torch.tensor(ctx + node.action_token_ids, dtype=torch.long),
@@ -219,9 +262,32 @@ class Trajectory:
                         [0.0] * k + node.behaviour_logprobs, dtype=torch.float32
                     ),
                     policy_versions=torch.tensor([-1] * k + node.policy_versions, dtype=torch.long),
+                    **routing.finish(k + m),
                 )
             )
         return out
+
+
+class _RoutingRows:
+    """Lays the nodes' routed experts out along a sequence (rows + validity mask)."""
+
+    def __init__(self, nodes: list[ActionNode]) -> None:
+        self.parts = [] if all(n.routed_experts is not None for n in nodes) and nodes else None
+
+    def add(self, node: ActionNode, offset: int) -> None:
+        if self.parts is not None:
+            self.parts.append((offset, node.routed_experts))
+
+    def finish(self, length: int) -> dict[str, torch.Tensor]:
+        if self.parts is None:
+            return {}
+        first = self.parts[0][1]
+        rows = torch.zeros((length, *first.shape[1:]), dtype=first.dtype)
+        valid = torch.zeros(length, dtype=torch.bool)
+        for offset, r in self.parts:
+            rows[offset : offset + r.shape[0]] = r
+            valid[offset : offset + r.shape[0]] = True
+        return {"routed_experts": rows, "routing_mask": valid}
 
 
 @dataclass(kw_only=True)
@@ -231,6 +297,9 @@ class TokenSequence:
     token_ids: [T] int64; action_mask: [T] bool (True on sampled tokens);
     node_index: [T] int64 (action node of each token); behaviour_logprobs: [T] float32
     (0 off-action); policy_versions: [T] int64 (-1 off-action).
+    routed_experts: [T, num_layers, top_k] uint8/int16, the experts the engine routed token t
+    to (0 where not recorded); routing_mask: [T] bool, True where recorded. Both None when the
+    trajectory carries no routing.
     """
 
     token_ids: torch.Tensor
@@ -238,6 +307,8 @@ class TokenSequence:
     node_index: torch.Tensor
     behaviour_logprobs: torch.Tensor
     policy_versions: torch.Tensor
+    routed_experts: torch.Tensor | None = None
+    routing_mask: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.token_ids.numel())

@@ -73,6 +73,9 @@ class StalenessBuffer:
         self.batch_size = trajectories_per_batch
         self.group_size = group_size
         self.max_staleness = max_staleness
+        # the bound admission uses (<= max_staleness; lowered by the deviation controller,
+        # sao_megatron.algorithm.deviation_controller); the hand-off keeps max_staleness
+        self.admission_staleness = max_staleness
         self.on_stale = on_stale
         self._cond = threading.Condition()
         self._filling: list[Group] = []
@@ -98,16 +101,25 @@ class StalenessBuffer:
         """True if one more group may start at engine weight version `engine_version`.
 
         The engines must be within the bound of the trainer (``train_version - engine_version
-        <= max_staleness``) and AReaL's capacity rule must hold, counting versions from
+        <= eta``, eta = `admission_staleness`, max_staleness unless a deviation controller
+        lowered it) and AReaL's capacity rule must hold (with the same eta), counting versions from
         `base_version` (the version this run started at: a resumed run starts at its
         checkpoint's version with nothing started).
         """
         with self._cond:
-            if self.train_version - engine_version > self.max_staleness:
+            eta = self.admission_staleness
+            if self.train_version - engine_version > eta:
                 return False
-            cap = (engine_version - base_version + self.max_staleness + 1) * self.batch_size
+            cap = (engine_version - base_version + eta + 1) * self.batch_size
             cap += self._extra_capacity
             return self._num_started + self.group_size <= cap
+
+    def set_admission_staleness(self, eta: int) -> None:
+        """Admit new groups under bound `eta` (clamped to [0, max_staleness]) from now on;
+        trajectories already admitted keep the hand-off bound max_staleness."""
+        with self._cond:
+            self.admission_staleness = max(0, min(int(eta), self.max_staleness))
+            self._cond.notify_all()
 
     def mark_started(self) -> None:
         """Count one group as started (call right after `can_start` said yes)."""

@@ -44,6 +44,19 @@ class RolloutConfig:
         max_turns: cap on actions per episode (the environment's max_steps also applies).
         The prompt layout (full history or window) is the episode format's
         (`sao_megatron.data.episode.EpisodeFormatConfig.context_mode`), not repeated here.
+    Routing (MoE models; docs/ROLLOUT.md "Routing capture and replay"):
+        record_routing: the engines record, for every token they forward, the top-k experts of
+            every MoE layer (uint8 indices up to 256 experts, int16 above: num_layers * top_k
+            bytes per token), and trajectories carry them (`ActionNode.routed_experts`); the
+            trainer then logs ``deviation/routing_mismatch_frac``. On by itself with
+            `routing_replay`.
+        routing_replay: the policy forward (update and, for GRPO, old log-probs) routes every
+            recorded token to the experts the engine chose (rollout routing replay, R3), gate
+            weights from the trainer's own router logits; needs an MoE model.
+        deviation_target: null (off) or the mean |1 - r| the admission controller holds the
+            fresh data under by adapting the staleness bound and the episodes in flight
+            (`sao_megatron.algorithm.deviation_controller`; SAO's design target 0.05).
+        max_staleness is then the controller's ceiling.
     Run-time inputs are arguments of `RolloutManager` / `EngineProcess`, not fields: the model
     the local engines load (``model_path``; in a job the exported policy, run_dir/hf_policy),
     the folder for engine logs and weight slots (``run_dir``; in a job run_dir/rollout) and the
@@ -98,6 +111,10 @@ class RolloutConfig:
     max_episode_attempts: int = 3
     affinity_overload_factor: float = 2.0
 
+    record_routing: bool = False
+    routing_replay: bool = False
+    deviation_target: float | None = None
+
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> ValueError:
             return ValueError(f"rollout.{name}={getattr(self, name)!r}: {rule}")
@@ -144,6 +161,13 @@ class RolloutConfig:
             )
         if not self.affinity_overload_factor >= 1:
             raise bad("affinity_overload_factor", "must be >= 1")
+        if self.deviation_target is not None and not 0 < self.deviation_target < 1:
+            raise bad("deviation_target", "must be in (0, 1) (e.g. 0.05) or null (off)")
+
+    @property
+    def records_routing(self) -> bool:
+        """The engines record routed experts (`record_routing` or `routing_replay`)."""
+        return self.record_routing or self.routing_replay
 
     @property
     def launches_engines(self) -> bool:

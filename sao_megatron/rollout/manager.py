@@ -39,6 +39,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from sao_megatron.algorithm.deviation_controller import (
+    DeviationController,
+    DeviationControllerConfig,
+)
 from sao_megatron.data.episode import EpisodeFormatter
 from sao_megatron.data.trajectory import Trajectory
 from sao_megatron.rollout.buffer import Group, StalenessBuffer
@@ -174,6 +178,18 @@ class RolloutManager:
         self.sync_history: list[SyncResult] = []
         self.initial_version = initial_version
         self.buffer.set_train_version(initial_version)
+        self.max_inflight = config.max_concurrent_episodes  # lowered by the controller
+        self.controller: DeviationController | None = None
+        if config.deviation_target is not None:
+            self.controller = DeviationController(
+                DeviationControllerConfig(
+                    target=config.deviation_target,
+                    max_staleness=config.max_staleness,
+                    max_inflight=max(config.max_concurrent_episodes, group_size),
+                    min_inflight=group_size,
+                )
+            )
+        self._busy_mark: tuple[float, float] | None = None  # (wall, busy engine-seconds)
 
     # ================================================================ lifecycle (trainer thread)
     def start(self) -> RolloutManager:
@@ -316,6 +332,40 @@ class RolloutManager:
         )
         return result
 
+    def observe_step(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Feed one train step's metrics to the deviation controller (``rollout.deviation_target``)
+        and apply its admission bounds; returns its state (``controller/*``), {} when off.
+
+        Reads ``deviation/abs_one_minus_ratio_mean`` and ``deviation/lag0/abs_one_minus_ratio_mean``
+        (`sao_megatron.trainer.rl_step`); the engines' busy fraction is measured here, over the
+        wall time since the previous call.
+        """
+        if self.controller is None:
+            return {}
+        busy = self._busy_fraction()
+        self.controller.update(
+            deviation=float(metrics.get("deviation/abs_one_minus_ratio_mean", float("nan"))),
+            deviation_lag0=float(
+                metrics.get("deviation/lag0/abs_one_minus_ratio_mean", float("nan"))
+            ),
+            busy_fraction=busy,
+        )
+        self.buffer.set_admission_staleness(self.controller.max_staleness)
+        self.max_inflight = self.controller.max_inflight
+        self._poke()
+        return self.controller.metrics() | {"controller/busy_fraction": busy}
+
+    def _busy_fraction(self) -> float:
+        """Mean over engines of the share of wall time with a request outstanding, since the
+        last call (since start the first time)."""
+        if self.router is None or not self.router.loads:
+            return 0.0
+        now = time.monotonic()
+        busy = sum(ld.busy_seconds(now) for ld in self.router.loads) / len(self.router.loads)
+        t0, b0 = self._busy_mark or (self.router._t0, 0.0)
+        self._busy_mark = (now, busy)
+        return float(min(max((busy - b0) / max(now - t0, 1e-9), 0.0), 1.0))
+
     def stats(self) -> dict:
         """Counters, buffer stats, per-engine utilisation and throughput since start."""
         wall = time.monotonic() - self._t0
@@ -346,6 +396,8 @@ class RolloutManager:
         )
         for c in self.clients:  # vLLM starts at version "default"; ours at initial_version
             await c.set_weight_version(self.initial_version)
+            if self.config.records_routing:
+                await c.enable_routing_capture()
 
     async def _shutdown(self) -> None:
         tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
@@ -370,14 +422,13 @@ class RolloutManager:
 
     async def _schedule(self) -> None:
         """Start groups while the capacity rule and the concurrency limit allow."""
-        limit = self.config.max_concurrent_episodes
         g = self.group_size
         exhausted = False
         while not self._closing:
             self._wake.clear()
             while (
                 self._fatal is None
-                and self._inflight + g <= max(limit, g)
+                and self._inflight + g <= max(self.max_inflight, g)
                 and self.buffer.can_start(self._engine_version(), base_version=self.initial_version)
             ):
                 item = self._next_task()
@@ -468,9 +519,13 @@ class RolloutManager:
             raise EpisodeError(f"{task.task_id}: make_env raised {type(e).__name__}: {e}") from e
 
         async def generate(
-            eid: str, prompt: list[int], max_tokens: int, seed: int | None
+            eid: str,
+            prompt: list[int],
+            max_tokens: int,
+            seed: int | None,
+            routing_start: int | None = None,
         ) -> Generation:
-            return await self._generate(eid, prompt, max_tokens, seed)
+            return await self._generate(eid, prompt, max_tokens, seed, routing_start)
 
         kw = {
             "seed": task.seed,
@@ -496,7 +551,12 @@ class RolloutManager:
         return traj
 
     async def _generate(
-        self, episode_id: str, prompt: list[int], max_tokens: int, seed: int | None
+        self,
+        episode_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        seed: int | None,
+        routing_start: int | None = None,
     ) -> Generation:
         cost = len(prompt) + max_tokens
         deadline = time.monotonic() + self.config.request_timeout_s
@@ -517,6 +577,7 @@ class RolloutManager:
                     seed=seed,
                     config=self.config,
                     stop_ids=self.stop_token_ids,
+                    routing_start=routing_start,
                 ),
                 timeout=self.config.request_timeout_s,
             )
@@ -527,6 +588,8 @@ class RolloutManager:
             self.router.end(i, cost, len(gen.token_ids) if gen else 0)
         self.counters["generated_tokens"] += len(gen.token_ids)
         self.counters["requests"] += 1
+        if routing_start is not None and gen.routed_experts is None:
+            self.counters["routing_incomplete_requests"] += 1
         return gen
 
     # ---------------------------------------------------------------- faults
@@ -582,6 +645,8 @@ class RolloutManager:
 
     async def _resync(self, i: int) -> bool:
         c = self.clients[i]
+        if self.config.records_routing:  # a restarted engine starts without the capture
+            await c.enable_routing_capture()
         version = self.publisher.latest_version
         if version is None:  # a restarted engine loads the initial weights again
             await c.set_weight_version(self.initial_version)

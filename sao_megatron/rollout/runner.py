@@ -34,14 +34,16 @@ from sao_megatron.data.episode import EpisodeFormatter
 from sao_megatron.data.trajectory import Trajectory
 from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.engine import EngineClient, EngineError, Generation, MalformedReplyError
+from sao_megatron.rollout.routing import RoutingRecorder
 from sao_megatron.rollout.status import EpisodeError, call_step
 
 if TYPE_CHECKING:  # importing sao_megatron.envs imports every built-in environment
     from sao_megatron.envs.base import Environment
 
 
-#: generate(episode_id, prompt_ids, max_tokens, seed) -> Generation
-GenerateFn = Callable[[str, list[int], int, "int | None"], Awaitable[Generation]]
+#: generate(episode_id, prompt_ids, max_tokens, seed[, routing_start=]) -> Generation; the
+#: keyword routing_start (int) is passed only with rollout.record_routing / routing_replay
+GenerateFn = Callable[..., Awaitable[Generation]]
 
 
 def stop_token_ids(formatter: EpisodeFormatter, config: RolloutConfig) -> list[int]:
@@ -58,9 +60,12 @@ async def sample_action(
     seed: int | None,
     config: RolloutConfig,
     stop_ids: list[int],
+    routing_start: int | None = None,
 ) -> Generation:
     """One action request with the run's sampling settings (temperature, top_p), the one place
-    both training rollouts (`RolloutManager`) and evaluation build it.
+    both training rollouts (`RolloutManager`) and evaluation build it. ``routing_start`` (not
+    None) also asks for the routed experts from that prompt position on
+    (`EngineClient.generate`).
 
     Raises EngineError when the engine aborted the request (``finish_reason == "abort"``: it
     was stopped or restarted), besides the client's own EngineError/MalformedReplyError.
@@ -72,6 +77,7 @@ async def sample_action(
         top_p=config.top_p,
         stop_token_ids=stop_ids,
         seed=seed,
+        **({} if routing_start is None else {"routing_start": routing_start}),
     )
     if gen.finish_reason == "abort":
         raise EngineError(f"{client.name} aborted the request")
@@ -120,6 +126,8 @@ async def run_episode(
     info: dict = {"env": getattr(env, "name", type(env).__name__), "seed": seed}
     max_turns = min(int(getattr(env, "max_steps", config.max_turns)), config.max_turns)
     cut = False
+    window = formatter.config.context_mode == "window"
+    routing = RoutingRecorder(full_history=not window) if config.records_routing else None
     for turn in range(max_turns):
         prompt = builder.next_context_ids()
         room = config.max_model_len - len(prompt)
@@ -128,10 +136,17 @@ async def run_episode(
             break
         max_tokens = min(config.max_tokens_per_action, room)
         seed_t = request_seed(config.seed, task_id, group_index, turn)
+        extra = {} if routing is None else {"routing_start": routing.start(prompt)}
         try:
-            gen = await generate(episode_id, prompt, max_tokens, seed_t)
+            gen = await generate(episode_id, prompt, max_tokens, seed_t, **extra)
         except MalformedReplyError as e:
             raise EpisodeError(f"{task_id}: {e}") from e
+        if routing is not None:
+            try:
+                routing.add(prompt, gen.token_ids, gen.routed_experts)
+            except ValueError as e:  # rows missing (evicted): this episode trains unreplayed
+                info["routing_error"] = str(e)[:200]
+                routing = None
         if not gen.token_ids or not all(math.isfinite(x) for x in gen.logprobs):
             raise EpisodeError(
                 f"{task_id}: engine returned {len(gen.token_ids)} tokens or non-finite "
@@ -185,6 +200,11 @@ async def run_episode(
         info=info,
     )
     traj.nodes[-1].truncated = cut
+    if routing is not None:
+        try:
+            routing.assign(traj)
+        except ValueError as e:
+            raise EpisodeError(f"{task_id}: routing rows do not fit the trajectory: {e}") from e
     traj.status = "completed" if terminated else "truncated"  # rollout/status.py
     traj.info["status"] = traj.status
     try:

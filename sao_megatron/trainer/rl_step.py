@@ -28,6 +28,7 @@ positions, so every extra handed to a loss is shifted with `_pred`.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -35,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from sao_megatron.algorithm.base import AdvantageInputs, Algorithm, Phase
+from sao_megatron.algorithm.deviation_causes import deviation_cause_sums, finish_deviation_causes
 from sao_megatron.algorithm.losses import value_loss
 from sao_megatron.algorithm.metrics import explained_variance, off_policy_metrics
 from sao_megatron.data.batch import TrainBatch, gather_to_streams, scatter_from_streams
@@ -44,6 +46,7 @@ from sao_megatron.models.forward import (
     compute_values,
     forward_backward,
 )
+from sao_megatron.models.routing_replay import RoutingReplay
 from sao_megatron.optim.builder import TrainState
 from sao_megatron.parallel.state import ParallelState
 from sao_megatron.rollout.staleness import stale_token_mask
@@ -115,10 +118,15 @@ class StepConfig:
         than this many versions before the trained one leave the policy loss (advantage 0; they
         stay in the token-mean denominator, like DIS-band drops) and the deviation metrics.
         None: no per-token bound.
+    routing_replay: (rollout.routing_replay) the policy forwards of POLICY_UPDATE and
+        OLD_LOGPROBS route every token the engine recorded to the engine's experts
+        (`sao_megatron.models.routing_replay`); needs an MoE policy. Without it, batches that
+        carry routing are only compared with the trainer's own (``deviation/routing_*``).
     """
 
     micro_batch_size: int = 4
     max_staleness: int | None = None
+    routing_replay: bool = False
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
@@ -168,6 +176,8 @@ class StepState:
     logprobs, entropy: [R, T-1] float32 of the policy update's forward (POLICY_UPDATE).
     stale: [R, T-1] bool, action tokens beyond the per-token staleness bound (prediction
         positions; all False without a bound).
+    routing_differs: [R, T-1] bool, the trainer's own top-k differed from the recorded one in
+        some layer at the prediction position (POLICY_UPDATE; None without recorded routing).
     metrics: what the phases measured (returned by `RLStep.finish`).
     """
 
@@ -187,6 +197,7 @@ class StepState:
     logprobs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     stale: torch.Tensor | None = None
+    routing_differs: torch.Tensor | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -225,6 +236,9 @@ class RLStep:
             )
         self.algorithm, self.config = algorithm, algorithm.config
         self.parallel, self.policy, self.value, self.cfg = parallel, policy, value, step_cfg
+        self._routing: RoutingReplay | None = None
+        if step_cfg.routing_replay:
+            self._routing_replay()  # fails now, not at the first batch, for a dense model
         self._phases = {
             Phase.VALUE_TARGETS: self._value_targets,
             Phase.VALUE_UPDATE: self._value_update,
@@ -310,6 +324,16 @@ class RLStep:
                 train_version=state.train_version,
             )
             metrics.update({DEVIATION_NAMES.get(k, f"deviation/{k}"): v for k, v in dev.items()})
+            sums = deviation_cause_sums(
+                state.logprobs,
+                _pred(b.behaviour_logprobs),
+                mask,
+                state.train_version - _pred(b.policy_versions),
+                state.routing_differs,
+            )
+            sums = self._dp_sum_dict(sums)
+            causes = finish_deviation_causes(sums)
+            metrics.update({f"deviation/{k}": v for k, v in causes.items()})
             n_local = max(int(mask.sum()), 1)
             metrics["policy/entropy"] = float(torch.where(mask, state.entropy, 0.0).sum() / n_local)
             metrics["policy/advantage_mean"] = float(
@@ -317,12 +341,78 @@ class RLStep:
             )
         return metrics
 
+    # ---------------------------------------------------------------------- routing
+    def _routing_replay(self) -> RoutingReplay:
+        """The policy's `RoutingReplay` (installed on first use; every rank builds it)."""
+        if self._routing is None:
+            rr = RoutingReplay.for_parallel(self.policy.unwrapped, self.parallel)
+            if self._world_sum(rr.num_local_layers) == 0:
+                rr.remove()
+                raise ValueError(
+                    "rollout.routing_replay=true (or rollout.record_routing=true) needs an MoE "
+                    "policy (model.num_experts > 0 with MoE layers); set it to false for a "
+                    "dense model"
+                )
+            self._routing = rr
+        return self._routing
+
+    def _routed(self, state: StepState, replay: bool):
+        """Context for a policy forward over the local batch: replays or compares the recorded
+        routing when the batch carries it, else nothing."""
+        b = state.batch
+        if not b.has_routing:
+            return contextlib.nullcontext()
+        return self._routing_replay().session(
+            b.token_ids,
+            b.routed_experts,
+            b.routing_mask,
+            micro_batch_size=self.cfg.micro_batch_size,
+            replay=replay,
+        )
+
+    def _routing_metrics(self, state: StepState) -> None:
+        """After the policy update's forward: global mismatch fraction and the per-token map
+        of prediction positions whose routing differed (for the deviation split)."""
+        p, rr = self.parallel, self._routing
+        mism, comp = rr.take_counts()
+        counts = torch.tensor([float(mism), float(comp)], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(counts)
+        differs = rr.last_differs.to(torch.int32)
+        for size, group in ((p.cfg.tp, p.pg_collection.tp), (p.cfg.pp, p.pg_collection.pp)):
+            if size > 1:
+                dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=group)
+        state.routing_differs = _pred(differs.bool())
+        b = state.batch
+        n_real = self._dp_sum(int(b.loss_mask.sum()))
+        n_rec = self._dp_sum(int(b.routing_mask.sum()))
+        state.metrics |= {
+            "deviation/routing_mismatch_frac": float(counts[0] / counts[1])
+            if counts[1] > 0
+            else float("nan"),
+            "routing/recorded_token_fraction": n_rec / max(n_real, 1.0),
+            "routing/replayed": float(self.cfg.routing_replay),
+        }
+
+    def _world_sum(self, x: float) -> float:
+        t = torch.tensor([float(x)], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(t)
+        return float(t.item())
+
     # ---------------------------------------------------------------------- helpers
     def _dp_sum(self, x: float) -> float:
         t = torch.tensor([float(x)], dtype=torch.float64)
         if self.parallel.dp > 1:
             dist.all_reduce(t, group=self.parallel.pg_collection.dp)
         return float(t.item())
+
+    def _dp_sum_dict(self, d: dict[str, float]) -> dict[str, float]:
+        """`_dp_sum` of every value, in one all-reduce."""
+        t = torch.tensor(list(d.values()), dtype=torch.float64)
+        if self.parallel.dp > 1:
+            dist.all_reduce(t, group=self.parallel.pg_collection.dp)
+        return dict(zip(d, t.tolist(), strict=True))
 
     def _inputs(self, b: TrainBatch, extras: dict[str, torch.Tensor]) -> ModelInputs:
         return ModelInputs(
@@ -352,6 +442,9 @@ class RLStep:
         out.behaviour_logprobs = pad(b.behaviour_logprobs, 0.0)
         out.policy_versions = pad(b.policy_versions, -1)
         out.row_trajectory = pad(b.row_trajectory, -1)
+        if b.routed_experts is not None:
+            out.routed_experts = pad(b.routed_experts, 0)
+            out.routing_mask = pad(b.routing_mask, False)
         assert out.token_ids.shape == (num_rows, t)
         return out
 
@@ -567,15 +660,19 @@ class RLStep:
     def _old_logprobs(self, state: StepState) -> None:
         """OLD_LOGPROBS: l_old of the policy before this update (forward, no grad)."""
         b = state.batch
-        old, _ = compute_policy_logprobs(
-            self.policy.model,
-            self.parallel,
-            self._inputs(b, {}),
-            b.temperature,
-            self.cfg.micro_batch_size,
-            top_p=b.top_p,
-            top_k=b.top_k,
-        )
+        replay = self.cfg.routing_replay and b.has_routing
+        with self._routed(state, replay=True) if replay else contextlib.nullcontext():
+            old, _ = compute_policy_logprobs(
+                self.policy.model,
+                self.parallel,
+                self._inputs(b, {}),
+                b.temperature,
+                self.cfg.micro_batch_size,
+                top_p=b.top_p,
+                top_k=b.top_k,
+            )
+        if replay:
+            self._routing.take_counts()  # measured on the update's forward only
         state.old_logprobs = old.cpu()
 
     def _advantages_phase(self, state: StepState) -> None:
@@ -615,17 +712,20 @@ class RLStep:
         if state.old_logprobs is not None:
             extras["old_logprobs"] = state.old_logprobs
         self.policy.zero_grad()
-        recs = forward_backward(
-            self.policy.model,
-            self.parallel,
-            self._inputs(b, extras),
-            kind="policy",
-            loss_fn=loss_fn,
-            micro_batch_size=self.cfg.micro_batch_size,
-            temperature=b.temperature,
-            top_p=b.top_p,
-            top_k=b.top_k,
-        )
+        with self._routed(state, replay=self.cfg.routing_replay):
+            recs = forward_backward(
+                self.policy.model,
+                self.parallel,
+                self._inputs(b, extras),
+                kind="policy",
+                loss_fn=loss_fn,
+                micro_batch_size=self.cfg.micro_batch_size,
+                temperature=b.temperature,
+                top_p=b.top_p,
+                top_k=b.top_k,
+            )
+        if b.has_routing:
+            self._routing_metrics(state)
         ok, grad_norm = self.policy.step()
         if recs:
             state.logprobs = torch.cat([r["logprobs"] for r in recs]).cpu()

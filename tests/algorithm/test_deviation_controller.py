@@ -1,0 +1,143 @@
+"""The deviation controller's control law on synthetic plants, and its wiring into admission."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from sao_megatron.algorithm.deviation_controller import (
+    DeviationController,
+    DeviationControllerConfig,
+)
+
+TARGET = 0.05
+
+
+def plant_deviation(eta: int, base: float = 0.005, per_version: float = 0.02) -> float:
+    """Synthetic run: mean |1 - r| grows linearly with the admission staleness bound."""
+    return base + per_version * eta
+
+
+def plant_busy(n_max: int, needed: int = 8) -> float:
+    """The engines are saturated with `needed` episodes in flight."""
+    return min(1.0, n_max / needed)
+
+
+def _ctl(**kw) -> DeviationController:
+    base = dict(target=TARGET, max_staleness=6, max_inflight=16, min_inflight=1, ema=1.0)
+    return DeviationController(DeviationControllerConfig(**(base | kw)))
+
+
+def test_holds_the_target_where_the_fixed_bound_breaks_it():
+    ctl = _ctl()
+    assert plant_deviation(6) > TARGET  # the user's fixed bound (6) breaks the target
+    trace = []
+    for _ in range(30):
+        d = plant_deviation(ctl.max_staleness)
+        trace.append(d)
+        ctl.update(deviation=d, deviation_lag0=0.005, busy_fraction=plant_busy(ctl.max_inflight))
+    # the largest bound within the target: 0.005 + 0.02 * 2 = 0.045 <= 0.05 < 0.065
+    assert ctl.max_staleness == 2
+    assert all(d <= TARGET for d in trace[5:])  # after the transient (one step per version)
+    assert ctl.max_inflight == 16  # staleness fixed it: the engines keep all their episodes
+    assert ctl.last_action == 0  # settled: inside the dead band, engines busy
+
+
+def test_cuts_episodes_in_flight_only_at_the_staleness_floor():
+    ctl = _ctl(max_staleness=1)
+    for expected_eta, expected_n in ((0, 16), (0, 8), (0, 4), (0, 2), (0, 1), (0, 1)):
+        ctl.update(deviation=0.2, deviation_lag0=0.01, busy_fraction=1.0)
+        assert (ctl.max_staleness, ctl.max_inflight) == (expected_eta, expected_n)
+    assert ctl.last_action == 0  # at both floors
+
+
+def test_recovers_when_the_deviation_falls_and_engines_idle():
+    ctl = _ctl(max_staleness=3, increase_step=2)
+    for _ in range(8):  # a perturbation (e.g. an LR spike) drives both knobs down
+        ctl.update(deviation=0.3, deviation_lag0=0.01, busy_fraction=1.0)
+    assert (ctl.max_staleness, ctl.max_inflight) == (0, 1)
+    actions = []
+    for _ in range(20):
+        actions.append(ctl.update(deviation=0.01, busy_fraction=plant_busy(ctl.max_inflight)))
+    assert set(actions) <= {0, 1} and actions[0] == 1 and actions[-1] == 0
+    # staleness back at the user's bound; episodes grown until the engines are saturated (8)
+    assert ctl.max_staleness == 3
+    assert plant_busy(ctl.max_inflight) >= 0.9 and ctl.max_inflight <= 9
+
+
+def test_busy_engines_are_not_given_more_work():
+    ctl = _ctl()
+    ctl.max_inflight = 8
+    ctl.update(deviation=0.001, busy_fraction=0.95)
+    assert ctl.max_inflight == 8 and ctl.last_action == 0
+
+
+def test_dead_band_grows_episodes_but_not_staleness():
+    ctl = _ctl()
+    ctl.max_staleness, ctl.max_inflight = 2, 4
+    ctl.update(deviation=0.04, busy_fraction=0.5)  # 0.035 <= 0.04 <= 0.05
+    assert (ctl.max_staleness, ctl.max_inflight) == (2, 5)
+
+
+def test_lag0_deviation_is_not_fought_with_admission():
+    ctl = _ctl()
+    ctl.update(deviation=0.08, deviation_lag0=0.07, busy_fraction=1.0)
+    assert (ctl.max_staleness, ctl.max_inflight) == (6, 16)
+    assert ctl.limited_by_lag0 and ctl.metrics()["controller/limited_by_lag0"] == 1.0
+
+
+def test_ema_and_missing_measurements():
+    ctl = _ctl(ema=0.5)
+    ctl.update(deviation=0.04)
+    ctl.update(deviation=0.08)
+    assert ctl.deviation_ema == pytest.approx(0.06)  # 0.5 * 0.04 + 0.5 * 0.08
+    before = ctl.state_dict()
+    assert ctl.update(deviation=math.nan) == 0 and ctl.state_dict() == before
+    other = _ctl()
+    other.load_state_dict(before)
+    assert other.state_dict() == before
+    m = ctl.metrics()
+    assert set(m) == {
+        "controller/max_staleness",
+        "controller/max_inflight",
+        "controller/deviation_ema",
+        "controller/target",
+        "controller/action",
+        "controller/limited_by_lag0",
+    }
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"target": 0.0}, "deviation_target"),
+        ({"min_staleness": 7}, "min_staleness"),
+        ({"min_inflight": 20}, "min_inflight"),
+        ({"ema": 0.0}, "ema"),
+        ({"increase_step": 0}, "increase_step"),
+    ],
+)
+def test_config_errors_name_the_field(kw, match):
+    with pytest.raises(ValueError, match=match):
+        DeviationControllerConfig(**({"max_staleness": 6, "max_inflight": 16} | kw))
+
+
+def test_manager_applies_the_bounds_to_admission(tmp_path):
+    from sao_megatron.rollout.config import RolloutConfig
+    from sao_megatron.rollout.manager import RolloutManager
+    from tests.rollout.fakes import make_formatter
+
+    off = RolloutManager(RolloutConfig(), make_formatter(), [], run_dir=tmp_path)
+    assert off.controller is None and off.observe_step({}) == {}
+    with pytest.raises(ValueError, match="rollout.deviation_target"):
+        RolloutConfig(deviation_target=1.5)
+    cfg = RolloutConfig(deviation_target=0.05, max_staleness=3, max_concurrent_episodes=8)
+    m = RolloutManager(cfg, make_formatter(), [], run_dir=tmp_path, group_size=2)
+    assert m.buffer.admission_staleness == 3 and m.max_inflight == 8
+    out = m.observe_step({"deviation/abs_one_minus_ratio_mean": 0.3})
+    assert out["controller/max_staleness"] == 2.0 and out["controller/action"] == -1.0
+    assert m.buffer.admission_staleness == 2 and m.buffer.max_staleness == 3  # hand-off keeps 3
+    m.buffer.set_train_version(3)  # engines 3 versions behind: admitted at 3, not at 2
+    assert not m.buffer.can_start(engine_version=0)
+    assert "controller/busy_fraction" in out
