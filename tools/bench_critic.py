@@ -61,6 +61,14 @@ VARIANTS: dict[str, tuple[list[str], tuple[str, str]]] = {
         ["value.head_init_std=0", "value_optim.lr=2.0e-3"],
         ("success", "terminate"),
     ),
+    "attention trainable + lr 2e-3 + init 0 + terminate": (
+        ["value.freeze_patterns=[embedding]", "value_optim.lr=2.0e-3", "value.head_init_std=0"],
+        ("success", "terminate"),
+    ),
+    "value updates 8 per batch": (
+        ["algorithm.sao.value_updates_per_policy_update=8"],
+        ("success", "truncate"),
+    ),
 }
 SECTION = "Critic explained variance"
 
@@ -166,6 +174,123 @@ def collect(args, sft: Path, out: Path) -> Path:
     return path
 
 
+def collect_in_trainer(args, sft: Path, out: Path) -> Path:
+    """`collect` without a vLLM engine (``--sampler trainer``): the same episodes through the
+    rollout's own `run_episode` (formatter, environment, token budget, stop tokens,
+    temperature), with the SFT policy sampled in this process: one full no-grad forward per
+    generated token (no KV cache) over every episode waiting for an action, the next token
+    drawn from softmax(logits / rollout.temperature) over the served vocabulary (top_p = 1).
+    Same weights as the engine would serve; only the sampling numerics differ."""
+    import asyncio
+
+    from sao_megatron.models.forward import causal_padding_mask
+    from sao_megatron.rollout.engine import Generation
+    from sao_megatron.rollout.runner import run_episode, stop_token_ids
+    from sao_megatron.trainer.controller import Controller, TaskStream
+
+    path = out / "rollouts.pt"
+    if path.exists():
+        return path
+    run_dir = out / "collect"
+    seed_from_sft(sft, run_dir)
+    job = _job(args.config, run_dir, collect_overrides(_job(args.config, run_dir, [])))
+    c = Controller(job, _parallel(job))
+    c.prepare()
+    rl = c.build_rl(None, None)
+    model = rl.step_fn.policy.unwrapped[0]
+    model.eval()
+    vocab, cfg = c.hf_config["vocab_size"], job.rollout
+    stops = set(stop_token_ids(c.formatter, cfg))
+    gen = torch.Generator().manual_seed(cfg.seed)
+    if cfg.top_p != 1.0 or getattr(cfg, "top_k", 0):
+        raise ValueError("--sampler trainer samples with top_p = 1, top_k = 0 only")
+
+    @torch.no_grad()
+    def decode(requests):
+        rows = [list(p) for p, _ in requests]
+        outs = [Generation([], [], [], "") for _ in requests]
+        live = list(range(len(rows)))
+        while live:
+            n = max(len(rows[i]) for i in live)
+            ids = torch.zeros(len(live), n, dtype=torch.long)
+            am = torch.zeros(len(live), n, dtype=torch.bool)
+            for j, i in enumerate(live):
+                ids[j, : len(rows[i])] = torch.tensor(rows[i])
+                am[j, : len(rows[i])] = True
+            pos = (am.long().cumsum(1) - 1).clamp(min=0)
+            logits = model(ids, pos, causal_padding_mask(am))
+            last = am.sum(1) - 1
+            z = logits[torch.arange(len(live)), last, :vocab].float() / cfg.temperature
+            logp = torch.log_softmax(z, -1)
+            tok = torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]
+            still = []
+            for j, i in enumerate(live):
+                t = int(tok[j])
+                rows[i].append(t)
+                g = outs[i]
+                g.token_ids.append(t)
+                g.logprobs.append(float(logp[j, t]))
+                g.policy_versions.append(0)
+                if t in stops:
+                    g.finish_reason = "stop"
+                elif len(g.token_ids) >= requests[i][1]:
+                    g.finish_reason = "length"
+                else:
+                    still.append(i)
+            live = still
+        return outs
+
+    async def episodes(tasks):
+        pending: list = []
+        active = [len(tasks)]
+        wake = asyncio.Event()
+
+        async def generate(episode_id, prompt, max_tokens, seed):
+            fut = asyncio.get_running_loop().create_future()
+            pending.append(((prompt, max_tokens), fut))
+            wake.set()
+            return await fut
+
+        async def one(task):
+            try:
+                return await run_episode(
+                    env=task.make_env(),
+                    seed=task.seed,
+                    task_id=task.task_id,
+                    formatter=c.formatter,
+                    generate=generate,
+                    config=cfg,
+                )
+            finally:
+                active[0] -= 1
+                wake.set()
+
+        async def server():
+            while active[0]:
+                await wake.wait()
+                wake.clear()
+                if pending and len(pending) >= active[0]:
+                    batch = pending[:]
+                    pending.clear()
+                    for (_, fut), g in zip(batch, decode([r for r, _ in batch]), strict=True):
+                        fut.set_result(g)
+
+        srv = asyncio.create_task(server())
+        trajs = await asyncio.gather(*(one(t) for t in tasks))
+        await srv
+        return list(trajs)
+
+    stream, per, batches, t0 = TaskStream(job.tasks), cfg.trajectories_per_batch, [], time.time()
+    group = 4  # batches sampled together (one forward per token over all their episodes)
+    for start in range(0, args.batches, group):
+        k = min(group, args.batches - start)
+        trajs = asyncio.run(episodes([next(stream) for _ in range(k * per)]))
+        batches += [trajs[i * per : (i + 1) * per] for i in range(k)]
+        print(f"[collect] {len(batches)}/{args.batches} batches, {time.time() - t0:.0f} s")
+    torch.save({"batches": batches, "seconds": time.time() - t0, "sampler": "trainer"}, path)
+    return path
+
+
 def _variant_batches(batches, mode, factor):
     return [[retarget(t, *mode, factor) for t in b] for b in batches]
 
@@ -206,21 +331,29 @@ def fit(args, out: Path, name: str, batches) -> Path:
         rec["heldout/explained_variance_true_returns"] = true["value/explained_variance"]
         return rec
 
-    records.append(evaluate(0))
+    partial = path.with_suffix(".partial")
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    partial.write_text("")
+
+    def keep(rec):  # written as it goes: an interrupted variant still has its curve
+        records.append(rec)
+        with partial.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    keep(evaluate(0))
     for k, trajs in enumerate(train, start=1):
         m = step.value_step(pack(trajs))
         rec = {"step": k, "time_s": time.perf_counter() - t0}
         rec |= {key: m[key] for key in sorted(m) if key.startswith(("value/", "loss/", "lr/"))}
         if k % args.eval_every == 0 or k == len(train):
             rec |= evaluate(k)
-        records.append(rec)
+        keep(rec)
         print(
             f"[fit] {name} step {k}: EV before {m['value/explained_variance_before']:.3f} "
             f"held-out {rec.get('heldout/explained_variance', float('nan')):.3f}",
             flush=True,
         )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    partial.rename(path)
     return path
 
 
@@ -439,6 +572,12 @@ def main() -> None:
     ap.add_argument("--rl-pretrain-steps", type=int, default=50)
     ap.add_argument("--rl-steps", type=int, default=25)
     ap.add_argument("--num-eval-tasks", type=int, default=64)
+    ap.add_argument(
+        "--sampler",
+        choices=["vllm", "trainer"],
+        default="vllm",
+        help="collect with a vLLM engine (the rollout stack) or in-process (no engine)",
+    )
     ap.add_argument("--only", choices=["sft", "collect", "fit", "rl", "report"], default=None)
     ap.add_argument("--write", action="store_true", help="rewrite the docs/BENCHMARKS.md section")
     ap.add_argument("overrides", nargs="*", help="job overrides for every fit and RL run")
@@ -456,7 +595,8 @@ def main() -> None:
     want = {args.only} if args.only else {"sft", "collect", "fit", "rl", "report"}
     sft = shared_sft(args.config, [], out / "sft") if want & {"sft", "collect", "rl"} else None
     if want & {"collect", "fit", "report"}:
-        data = torch.load(collect(args, sft or out / "sft", out), weights_only=False)
+        get = collect_in_trainer if args.sampler == "trainer" else collect
+        data = torch.load(get(args, sft or out / "sft", out), weights_only=False)
     fits = {}
     if "fit" in want:
         for name in args.variants:
@@ -464,9 +604,14 @@ def main() -> None:
     for name in args.rl_variants if "rl" in want else []:
         rl_run(args, sft, out, name)
     if "report" in want:
-        fits = {
-            n: read_fit(p) for n in VARIANTS if (p := out / "fit" / f"{_slug(n)}.jsonl").exists()
-        }
+        fits = {}
+        for n in VARIANTS:
+            done, part = out / "fit" / f"{_slug(n)}.jsonl", out / "fit" / f"{_slug(n)}.partial"
+            if done.exists():
+                fits[n] = read_fit(done)
+            elif part.exists() and part.stat().st_size:
+                recs = read_fit(part)
+                fits[f"{n} (stopped at step {recs[-1]['step']})"] = recs
         rls = {
             n: rl_figures(d)
             for n in VARIANTS
