@@ -36,7 +36,6 @@ import json
 import math
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -460,7 +459,8 @@ def plot(fits: dict[str, list[dict]], rls: dict[str, dict], ceiling: float, path
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, axes = plt.subplots(1, 2 if rls else 1, figsize=(13 if rls else 7.5, 4.8), squeeze=False)
+    axes = axes[0]
     ax = axes[0]
     for name, recs in fits.items():
         pts = [(r["step"], r["heldout/explained_variance"]) for r in recs if "heldout/mse" in r]
@@ -468,13 +468,13 @@ def plot(fits: dict[str, list[dict]], rls: dict[str, dict], ceiling: float, path
     if ceiling == ceiling:
         ax.axhline(ceiling, color="k", ls="--", lw=1, label=f"tabular MC critic ({ceiling:.2f})")
     ax.axhline(0.3, color="grey", ls=":", lw=1)
-    ax.set_ylim(-1.0, 1.0)
+    ax.set_ylim(-0.5, 0.6)
     ax.set_xlabel("value pre-training step (one fresh batch of 16 episodes each)")
     ax.set_ylabel("held-out explained variance")
     ax.set_title("value pre-training on the same rollouts (held-out, pooled)")
     ax.legend(fontsize=7)
-    ax = axes[1]
     for name, f in rls.items():
+        ax = axes[1]
         pre, rl = f["pre_curve"], f["rl_curve"]
         xs = list(range(1, len(pre) + len(rl) + 1))
         ys = [float("nan") if y is None else y for y in pre + rl]
@@ -482,12 +482,12 @@ def plot(fits: dict[str, list[dict]], rls: dict[str, dict], ceiling: float, path
         sm = benchlib.smooth(list(zip(xs, ys, strict=True)), 10)
         ax.plot(*sm, lw=2, label=f"{name} (10-step mean)")
         ax.axvline(len(pre) + 0.5, color="grey", lw=0.8)
-    ax.axhline(0.3, color="grey", ls=":", lw=1)
-    ax.set_ylim(-1.0, 1.0)
-    ax.set_xlabel("sao-train step: value pre-training, then RL (vertical line)")
-    ax.set_ylabel("explained variance before the step's updates")
-    ax.set_title("sao-train: fresh batch each step")
-    ax.legend(fontsize=7)
+        ax.axhline(0.3, color="grey", ls=":", lw=1)
+        ax.set_ylim(-1.0, 1.0)
+        ax.set_xlabel("sao-train step: value pre-training, then RL (vertical line)")
+        ax.set_ylabel("explained variance before the step's updates")
+        ax.set_title("sao-train: fresh batch each step")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -499,8 +499,10 @@ def _f(x, fmt="{:.2f}"):
 
 
 def section(args, info, fits, rls, ceiling, collect_s, n_traj) -> str:
-    cmd = "python tools/bench_critic.py " + " ".join(
-        a if " " not in a else repr(a) for a in sys.argv[1:]
+    cmd = (
+        f"python tools/bench_critic.py --config {args.config} --sampler {args.sampler} "
+        f"--batches {args.batches} --steps {args.steps} --heldout {args.heldout} "
+        f"--eval-every {args.eval_every} --write"
     )
     lines = [
         "Command:",
@@ -510,8 +512,9 @@ def section(args, info, fits, rls, ceiling, collect_s, n_traj) -> str:
         machine_line(info),
         "",
         f"Config `{args.config}`. Rollouts: {n_traj} episodes of the frozen SFT policy "
-        f"({len(fits and next(iter(fits.values()))) and args.batches} batches, collected once in "
-        f"{collect_s:.0f} s); value pre-training step k trains on batch k (K = 2 value updates); "
+        f"({args.batches} batches of 16, sampled once in {collect_s:.0f} s with "
+        f"`--sampler {args.sampler}`); value pre-training step k trains on batch k (K = 2 value "
+        "updates, `RLStep.value_step`); "
         f"held-out EV: the last {args.heldout} batches pooled, never trained on. 'EV true "
         "returns': against the returns with the budget end as terminal (value 0).",
         "",
