@@ -86,6 +86,8 @@ def test_retarget_reproduces_the_environment(moves, reward_mode, budget_end):
         sampled = _play("progress", "terminate", seed, moves)
         want = _play(reward_mode, budget_end, seed, moves)
         got = bench.retarget(sampled, reward_mode, budget_end, 1.0)
+        if "bad" in moves and budget_end == "truncate":  # the budget-spent case is exercised
+            assert want.truncated and not sampled.truncated
         assert [n.reward for n in got.nodes] == [n.reward for n in want.nodes]
         assert (got.terminated, got.truncated) == (want.terminated, want.truncated)
         assert [n.reward for n in sampled.nodes] == [
