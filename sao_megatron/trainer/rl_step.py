@@ -275,6 +275,39 @@ class RLStep:
         self._critic_after_updates(state)
         return {k: v for k, v in state.metrics.items() if not k.startswith("batch/")}
 
+    def value_fit(self, batch: TrainBatch) -> dict[str, float]:
+        """How well the critic predicts the value targets of `batch`, without updating it.
+
+        One no-grad value forward; the targets R are those a value update on `batch` would use
+        (`Algorithm.advantages` with these values: with lam_value = 1 the reward-to-go plus the
+        bootstrap V_last of truncated rows). Over this DP rank's share of `batch`, on the value
+        mask (action tokens for token-level GAE):
+
+        * ``value/explained_variance``  1 - Var[R - V] / Var[R] (`explained_variance`)
+        * ``value/mse``                 mean (V - R)^2
+        * ``value/value_mean``, ``value/return_mean``, ``value/return_std`` (population std)
+
+        Held-out evaluation of a critic (tools/bench_critic.py): pass batches it never trained
+        on and the explained variance is predictive. NaN where undefined (empty mask, constant R).
+        """
+        if self.value is None:
+            raise ValueError(
+                f"value_fit() needs a value model (algorithm.name={self.algorithm.name!r})"
+            )
+        state = self.start(batch, train_version=0)
+        values = self._values(state.batch)
+        _, returns, vmask = self._advantages(state, values)
+        v = values[0][vmask].double()
+        r = returns[vmask].double()
+        nan = float("nan")
+        return {
+            "value/explained_variance": explained_variance(values[0], returns, vmask),
+            "value/mse": float((v - r).pow(2).mean()) if len(r) else nan,
+            "value/value_mean": float(v.mean()) if len(v) else nan,
+            "value/return_mean": float(r.mean()) if len(r) else nan,
+            "value/return_std": float(r.std(unbiased=False)) if len(r) else nan,
+        }
+
     def start(self, batch: TrainBatch, train_version: int) -> StepState:
         """This DP rank's share of `batch` and the global loss denominators."""
         b, n_real = self._shard(batch)
