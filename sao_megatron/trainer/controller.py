@@ -374,7 +374,10 @@ class Controller:
 
     def _log_eval(self, step: int, metrics: dict[str, float]) -> None:
         """Held-out evaluation figures into run_dir/rl's metrics.jsonl and TensorBoard at
-        `step` (the policy version evaluated: 0 before RL, the last step after it)."""
+        `step` (the policy version evaluated: 0 before RL, the last step after it). Nothing
+        when nothing was evaluated (tasks.num_eval_tasks=0): no empty rows."""
+        if not metrics:
+            return
         cfg = dataclasses.replace(self.job.logging, console=False)
         with MetricsLogger(cfg, self.run_dir / "rl", is_logging_rank=self.rank0) as logger:
             logger.log(step, metrics, force=True)

@@ -7,6 +7,8 @@ batch shell USR1 (what `--signal=B:USR1@300` sends before a time limit). The tra
 its step, save a checkpoint at that step (save_interval=100 would never save there), exit 0,
 the job requeue itself and the second start resume from that checkpoint: every SFT and RL step
 in metrics.jsonl exactly once, everything under RUN_DIR, the job COMPLETED with one restart.
+A second job cancels during SFT (saved, not requeued); a third runs the engines in a job step of
+their own (ROLLOUT_NODES=1) and checks the trainer trained with them.
 """
 
 from __future__ import annotations
