@@ -17,6 +17,12 @@ class RolloutConfig:
     Engines:
         engine_urls: base URLs of running vLLM servers (clusters: the SLURM script starts them on
             rollout nodes). Empty: start `num_engines` local servers on loopback.
+        engine_urls_file: JSON file through which the trainer finds engines started by another
+            process, `python -m sao_megatron.rollout.serve` (the SLURM script's engine step,
+            ``ROLLOUT_NODES``; docs/CLUSTERS.md): the trainer asks for engines serving its
+            exported policy, waits for the file to list their URLs and loads its weights into
+            them. Relative paths are taken from ``run_dir``. Null: `engine_urls`, else local
+            engines. There, `num_engines` is the number of engines per serving node.
         num_engines: local vLLM servers to start when `engine_urls` is empty (>= 1).
         dtype: engine dtype: "float32", "bfloat16", "float16" or "auto".
         vllm_python: Python of the vLLM virtualenv (made by ``tools/install_vllm.sh``).
@@ -24,7 +30,9 @@ class RolloutConfig:
         kv_cache_gib: CPU KV-cache size per local engine, GiB (``VLLM_CPU_KVCACHE_SPACE``).
         enforce_eager: skip torch.compile warm-up (start-up ~30 s instead of ~80 s on 2 cores).
         extra_engine_args: more ``vllm.entrypoints.openai.api_server`` arguments, verbatim.
-        startup_timeout_s: seconds a local engine may take to answer /health.
+        startup_timeout_s: seconds a starting engine may go without progress in its log
+            before it counts as stalled (local engines; also the trainer's wait for engines
+            found through `engine_urls_file`).
         request_timeout_s: seconds one generation request may take before the engine counts as
             hung (the episode is requeued, the engine health-checked).
         max_engine_restarts: restarts of a local engine that died before it is dropped.
@@ -84,6 +92,7 @@ class RolloutConfig:
     }
 
     engine_urls: list[str] = field(default_factory=list)
+    engine_urls_file: str | None = None
     num_engines: int = 1
     dtype: str = "bfloat16"
     vllm_python: str = ".venv-vllm/bin/python"
@@ -124,6 +133,10 @@ class RolloutConfig:
         for url in self.engine_urls:
             if not url.startswith(("http://", "https://")):
                 raise bad("engine_urls", f"{url!r} must start with http:// or https://")
+        if self.engine_urls and self.engine_urls_file:
+            raise bad(
+                "engine_urls_file", "set either rollout.engine_urls or rollout.engine_urls_file"
+            )
         if self.num_engines < 1:
             raise bad("num_engines", "must be >= 1")
         if self.dtype not in _DTYPES:
@@ -171,5 +184,6 @@ class RolloutConfig:
 
     @property
     def launches_engines(self) -> bool:
-        """True when the rollout starts local engines (no `engine_urls` given)."""
-        return not self.engine_urls
+        """True when the rollout starts local engines (no `engine_urls` nor
+        `engine_urls_file` given)."""
+        return not self.engine_urls and not self.engine_urls_file

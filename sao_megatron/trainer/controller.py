@@ -33,6 +33,7 @@ from sao_megatron.data.demonstrations import demonstration_sequences
 from sao_megatron.models import build_policy
 from sao_megatron.parallel.collectives import broadcast_from_last_stage, broadcast_from_rank0
 from sao_megatron.parallel.state import ParallelState
+from sao_megatron.rollout import serve as remote
 from sao_megatron.rollout.engine import EngineClient, EngineError, EngineProcess
 from sao_megatron.rollout.manager import RolloutManager, Task
 from sao_megatron.trainer import report, runtime, signals
@@ -163,6 +164,7 @@ class Controller:
         self.run_dir = Path(job.run_dir)
         self.summary: dict[str, float] = {}
         self._early_engines: list[EngineProcess] = []  # started before SFT (rank 0)
+        self._engine_request: str | None = None  # nonce of our request to remote engines (rank 0)
 
     # ------------------------------------------------------------------ helpers
     def _ckpt(self, stage: str) -> CheckpointManager:
@@ -250,6 +252,8 @@ class Controller:
         finally:  # the rollout does not own engines started before SFT
             for engine in self._early_engines:
                 engine.stop()
+            if self._engine_request is not None:  # remote engines: their step may exit now
+                remote.release_engines(self._engine_urls_file(), self._engine_request)
         return self.summary
 
     def _start_engines_early(self, policy_chunks) -> None:
@@ -257,14 +261,18 @@ class Controller:
 
         They load the initial policy (exported to run_dir/rollout/hf_init); `_adopt_engines`
         waits for them after SFT and reloads the SFT weights before any episode is sampled.
-        Nothing is started when no later stage needs the engines or they are remote.
+        Engines found through ``rollout.engine_urls_file`` are asked for now instead (they start
+        on this export in their own job step). Nothing is started when no later stage needs the
+        engines or `rollout.engine_urls` lists them.
         """
         job = self.job
-        if not ({"value_pretrain", "rl"} & set(job.stages)) or not job.rollout.launches_engines:
+        if not ({"value_pretrain", "rl"} & set(job.stages)) or job.rollout.engine_urls:
             return
         init_dir = self.run_dir / "rollout" / "hf_init"
         export_hf(policy_chunks, self.spec, self.hf_config, self.tokenizer, self.parallel, init_dir)
-        if self.rank0:
+        if self.rank0 and job.rollout.engine_urls_file:
+            self._request_remote_engines(init_dir)
+        elif self.rank0:
             self._early_engines = [
                 EngineProcess(job.rollout, i, init_dir, self.run_dir / "rollout")
                 for i in range(job.rollout.num_engines)
@@ -283,16 +291,55 @@ class Controller:
         weights = gather_hf_weights(policy_chunks, self.spec, self.parallel)
         if weights is None:  # not rank 0: it took part in the gather
             return None
-        from safetensors.torch import save_file
-
         for engine in self._early_engines:
             waited = engine.wait_ready()
             log.info("engine %d ready at %s (%.1f s after SFT)", engine.index, engine.url, waited)
-        path = self.run_dir / "rollout" / "hf_start.safetensors"
+        self._load_start_weights([e.url for e in self._early_engines], weights, version)
+        for engine in self._early_engines:
+            engine.model_path = str(hf_dir)
+        return list(self._early_engines)
+
+    def _engine_urls_file(self) -> Path:
+        return remote.resolve_urls_file(self.job.rollout, self.run_dir)
+
+    def _request_remote_engines(self, model_dir: Path) -> None:
+        """Ask the engine step (`sao_megatron.rollout.serve`) for engines on `model_dir`
+        (rank 0)."""
+        urls_file = self._engine_urls_file()
+        self._engine_request = remote.request_engines(urls_file, model_dir)
+        log.info("asked the engine step for engines serving %s (%s.request)", model_dir, urls_file)
+
+    def _attach_remote_engines(self, policy_chunks, hf_dir: Path, version: int) -> list | None:
+        """URLs of the remote engines (`rollout.engine_urls`, or found through
+        `rollout.engine_urls_file`), serving `policy_chunks` as `version` (collective: the
+        weights are gathered; rank 0 waits for the engines and loads the weights into them).
+        None on the other ranks."""
+        weights = gather_hf_weights(policy_chunks, self.spec, self.parallel)
+        if weights is None:  # not rank 0: it took part in the gather
+            return None
+        urls = list(self.job.rollout.engine_urls)
+        if not urls:
+            if self._engine_request is None:  # no SFT this run (resumed RL): ask now
+                self._request_remote_engines(hf_dir)
+            urls = remote.wait_for_engine_urls(
+                self._engine_urls_file(), self._engine_request, self.job.rollout.startup_timeout_s
+            )
+        self._load_start_weights(urls, weights, version)
+        log.info("remote engines %s serve policy version %d", " ".join(urls), version)
+        return urls
+
+    def _load_start_weights(self, urls: list[str], weights: dict, version: int) -> None:
+        """Load HF-named `weights` as `version` into the engines at `urls` (rank 0), through one
+        safetensors file under run_dir/rollout (absolute path: engines may run on other nodes
+        and in another working directory)."""
+        from safetensors.torch import save_file
+
+        path = (self.run_dir / "rollout" / "hf_start.safetensors").resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
         save_file({name: t.contiguous() for name, t in weights.items()}, str(path))
 
         async def sync():
-            clients = [EngineClient(e.url, f"engine{e.index}") for e in self._early_engines]
+            clients = [EngineClient(url, f"engine{i}") for i, url in enumerate(urls)]
             try:
                 return await sync_engines(clients, path, version)
             finally:
@@ -301,10 +348,7 @@ class Controller:
 
         for result in asyncio.run(sync()):
             if isinstance(result, BaseException):
-                raise EngineError(f"loading the SFT weights into an engine: {result}")
-        for engine in self._early_engines:
-            engine.model_path = str(hf_dir)
-        return list(self._early_engines)
+                raise EngineError(f"loading the trainer's weights into an engine: {result}")
 
     def _finished(self, rl_resume: Path | None) -> bool:
         """True (and says so) when the RL stage already ended at its latest checkpoint: its
@@ -427,14 +471,21 @@ class Controller:
         hf_dir = self.run_dir / "hf_policy"
         export_hf(policy.unwrapped, self.spec, self.hf_config, self.tokenizer, p, hf_dir)
         engines = self._adopt_engines(policy.unwrapped, hf_dir, run.policy_version)
+        rollout_cfg = job.rollout
+        if not job.rollout.launches_engines:  # remote engines: found, then given our weights
+            urls = self._attach_remote_engines(policy.unwrapped, hf_dir, run.policy_version)
+            if self.rank0:
+                rollout_cfg = dataclasses.replace(
+                    job.rollout, engine_urls=urls, engine_urls_file=None
+                )
         rollout = None
         if self.rank0:  # a resumed run's engines serve the checkpoint's weights as its version
             rollout = RolloutManager(
-                job.rollout,
+                rollout_cfg,
                 self.formatter,
                 self.tasks,
                 initial_version=run.policy_version,
-                run_dir=self.run_dir / "rollout",
+                run_dir=(self.run_dir / "rollout").resolve(),  # slot paths the engines read
                 model_path=str(hf_dir),
                 group_size=self.algorithm.group_size,
                 processes=engines,

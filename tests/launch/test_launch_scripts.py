@@ -153,3 +153,70 @@ def test_header_examples_use_valid_overrides(script):
         load_config(JobConfig, ROOT / config, overrides)
         checked += len(overrides)
     assert checked >= 2  # the headers show real overrides (parallel.tp, rl.steps, ...)
+
+
+def _serve_command(lines: list[str]) -> list[str]:
+    """The engine step's printed srun command line (ROLLOUT_NODES > 0)."""
+    for line in lines:
+        argv = shlex.split(line)
+        if "sao_megatron.rollout.serve" in argv:
+            return argv
+    raise AssertionError(f"no sao_megatron.rollout.serve command in {lines}")
+
+
+@pytest.mark.parametrize(
+    ("nnodes", "nodelist", "engine_hosts", "train_hosts", "shared"),
+    [("3", "n[1-3]", "n3", "n1,n2", False), ("1", "n1", "n1", "n1", True)],
+)
+def test_slurm_script_gives_rollout_nodes_their_own_step(
+    nnodes, nodelist, engine_hosts, train_hosts, shared
+):
+    lines = _dry_run(
+        SLURM,
+        ["rl.steps=5", "rollout.num_engines=2"],
+        RUN_DIR="runs/remote",
+        ROLLOUT_NODES="1",
+        SLURM_NNODES=nnodes,
+        SLURM_JOB_NODELIST=nodelist,
+        SLURM_CPUS_ON_NODE="16",
+    )
+    run_dir = ROOT / "runs" / "remote"  # RUN_DIR made absolute: every node and step sees it
+    urls_file = f"{run_dir}/rollout/engine_urls.json"
+    serve = _serve_command(lines)
+    train, args = _train_command(lines)
+    assert serve[0] == train[0] == "srun"
+    assert serve.pop() == "&"  # started in the background, before the trainer's step
+    assert f"--nodelist={engine_hosts}" in serve and "--nodes=1" in serve
+    assert "--ntasks-per-node=1" in serve and "--cpus-per-task=16" in serve
+    assert f"--nodelist={train_hosts}" in train
+    assert f"--nodes={int(nnodes) - 1 or 1}" in train
+    assert ("--overlap" in serve and "--overlap" in train) == shared
+    assert ("--overlap" not in serve and "--overlap" not in train) == (not shared)
+    # Both steps get the same config and overrides; the trainer finds the engines by the file.
+    i = serve.index("sao_megatron.rollout.serve")
+    assert serve[i + 1 :] == args
+    job = _load(args)
+    assert job.rollout.engine_urls_file == urls_file and not job.rollout.launches_engines
+    assert job.run_dir == str(run_dir) and job.rollout.num_engines == 2
+    assert lines[0].startswith("train_slurm.sbatch: job 0")
+    assert f"rollout engines on 1 node(s) ({engine_hosts}" in lines[1]
+    assert ("shared with the trainer" in lines[1]) == shared
+    assert f"MASTER_ADDR={train_hosts.split(',')[0]}" in lines[2]
+
+
+def test_slurm_script_without_rollout_nodes_has_one_step():
+    lines = _dry_run(SLURM, [], SLURM_NNODES="2", SLURM_JOB_NODELIST="n[1-2]")
+    assert not any("sao_megatron.rollout.serve" in line for line in lines)
+    train, args = _train_command(lines)
+    assert "--nodes=2" in train and not any(a.startswith("--nodelist") for a in train)
+    assert _load(args).rollout.launches_engines
+
+
+def test_slurm_script_refuses_more_rollout_nodes_than_the_job_has():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SAO_"))}
+    env |= {"DRY_RUN": "1", "ROLLOUT_NODES": "2", "SLURM_NNODES": "1"}
+    out = subprocess.run(
+        ["bash", str(SLURM)], cwd=ROOT, env=env, capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 2
+    assert "ROLLOUT_NODES=2 must be 0..1" in out.stderr

@@ -7,6 +7,8 @@ batch shell USR1 (what `--signal=B:USR1@300` sends before a time limit). The tra
 its step, save a checkpoint at that step (save_interval=100 would never save there), exit 0,
 the job requeue itself and the second start resume from that checkpoint: every SFT and RL step
 in metrics.jsonl exactly once, everything under RUN_DIR, the job COMPLETED with one restart.
+A second job cancels during SFT (saved, not requeued); a third runs the engines in a job step of
+their own (ROLLOUT_NODES=1) and checks the trainer trained with them.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -210,3 +214,90 @@ def test_scancel_during_sft_saves_that_step_and_does_not_requeue(slurm_cluster, 
     assert _steps(sft_metrics) == list(range(1, stop_step + 1))
     assert "the trainer saved and stopped on TERM: no requeue" in log
     assert "Traceback" not in log, f"a traceback in {out_file}"
+
+
+def _weight_version(url: str) -> int | None:
+    try:
+        return int(httpx.get(url + "/weight_info", timeout=5.0).json()["weight_version"])
+    except (httpx.HTTPError, KeyError, ValueError):
+        return None
+
+
+@pytest.mark.timeout(3600)
+def test_rollout_engines_in_their_own_job_step(slurm_cluster, tmp_path):
+    """ROLLOUT_NODES=1 on the one-node cluster: the vLLM engines run in a job step of their
+    own (`sao_megatron.rollout.serve`, sharing the node with the trainer's step), the trainer
+    finds them through RUN_DIR/rollout/engine_urls.json, loads its weights into them and syncs
+    every new version through the shared run_dir; it starts no engine itself."""
+    run_dir = tmp_path / "run"
+    rl_steps = 4
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SAO_"))}
+    env |= {"RUN_DIR": str(run_dir), "ROLLOUT_NODES": "1"}
+    sub = subprocess.run(
+        ["sbatch", "--parsable", "--job-name=sao-slurm-engines",
+         f"--output={tmp_path}/slurm-%j.out", str(SBATCH), "sft.steps=3", "value_pretrain.steps=1",
+         f"rl.steps={rl_steps}", "tasks.num_eval_tasks=0", "checkpoint.save_interval=100",
+         "rollout.startup_timeout_s=1200", "logging.tensorboard=false"],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert sub.returncode == 0, sub.stderr
+    job_id = sub.stdout.strip().split(";")[0]
+    out_file = tmp_path / f"slurm-{job_id}.out"
+    urls_file = run_dir / "rollout" / "engine_urls.json"
+    seen_urls: list[str] = []
+    seen_versions: dict[str, int] = {}
+
+    def watch(job: dict[str, str]) -> bool:
+        """Record the published URLs and the weight versions the engines report meanwhile."""
+        if not seen_urls and urls_file.exists():
+            try:
+                seen_urls.extend(json.loads(urls_file.read_text())["urls"])
+            except (ValueError, KeyError):
+                pass
+        for url in seen_urls:
+            if (v := _weight_version(url)) is not None:
+                seen_versions[url] = max(v, seen_versions.get(url, -1))
+        return job.get("JobState") == "COMPLETED"
+
+    t0 = time.monotonic()
+    try:
+        _wait("the job to complete", watch, job_id, out_file, 2400, 0.5)
+    finally:
+        if _job(job_id).get("JobState") not in (*ENDED, None):
+            subprocess.run(["scancel", job_id], check=False)
+    log = out_file.read_text()
+    job = _job(job_id)
+    print(
+        f"\nslurm job {job_id}: COMPLETED in {time.monotonic() - t0:.0f} s; engines {seen_urls}, "
+        f"weight versions seen while running {seen_versions}; {out_file}"
+    )
+    assert job["ExitCode"] == "0:0" and job["Restarts"] == "0"
+    assert "rollout engines on 1 node(s) (localhost, shared with the trainer)" in log
+    # The URLs the engine step published are what the trainer used: this node's name, not
+    # loopback, each one engine of the serve step, and the trainer started no engine itself.
+    assert len(seen_urls) == 1, f"no engine_urls.json seen while the job ran; see {out_file}"
+    url = seen_urls[0]
+    assert url.startswith(f"http://{socket.gethostname()}:"), url
+    assert "[engines 0]" in log and f"engine 0 ready at {url}" in log
+    ready = [line for line in log.splitlines() if "remote engines ready after" in line]
+    assert len(ready) == 1 and ready[0].endswith(
+        url
+        + " (logs "
+        + str(run_dir / "rollout" / "remote" / socket.gethostname() / "engines" / "engine0.log")
+        + ")"
+    )
+    assert f"remote engines {url} serve policy version 0" in log
+    assert not (run_dir / "rollout" / "engines").exists()  # no local engine was started
+    # Every policy version reached the engine through the shared run_dir; the engine step
+    # reports the last one when the trainer releases it, and exits 0.
+    for version in range(1, rl_steps + 1):
+        assert f"weights v{version}: " in log, f"version {version} never synced; see {out_file}"
+    synced = [line for line in log.splitlines() if "weights v" in line and "failed" in line]
+    assert len(synced) == rl_steps and all(line.endswith("failed []") for line in synced), synced
+    assert seen_versions.get(url, -1) >= 1, f"never saw the engine past version 0: {out_file}"
+    assert f"engine {url}: weight version {rl_steps} at shutdown" in log
+    assert "released by the trainer" in log
+    assert "engine step exited with status 0" in log
+    assert "Traceback" not in log, f"a traceback in {out_file}"
+    assert _steps(run_dir / "rl" / "metrics.jsonl") == list(range(1, rl_steps + 1))
+    assert not urls_file.exists()  # the engine step cleaned up after itself
