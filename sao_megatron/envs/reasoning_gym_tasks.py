@@ -3,7 +3,7 @@
 `reset(seed)` generates the task with reasoning-gym's procedural generator (offline,
 deterministic: the same seed and difficulty give the same question); the observation is the
 question plus an instruction on the answer format. `step(answer)` ends the episode with reward
-1.0 or 0.0 from an exact-match or math-verify reward (`sao_megatron.envs.rewards`), never from
+1.0 or 0.0 from an exact-match, last-number or math-verify reward (`sao_megatron.envs.rewards`), never from
 reasoning-gym's partial-credit scorers.
 
 Registered names: "chain_sum", "basic_arithmetic" (presets) and "reasoning_gym" (any dataset
@@ -22,6 +22,7 @@ from sao_megatron.envs.rewards import REWARDS
 
 DEFAULT_INSTRUCTIONS = {
     "exact_match": "Reply with only the final answer.",
+    "last_number": "Reply with only the final answer.",
     "math_verify": "Put the final answer in \\boxed{}.",
 }
 
@@ -35,8 +36,10 @@ class ReasoningGymConfig:
         difficulty: reasoning-gym config fields of that dataset (its difficulty knobs), e.g.
             {"min_terms": 2, "max_terms": 4, "min_digits": 1, "max_digits": 2}. "seed" and
             "size" are not allowed (the episode seed picks the task).
-        reward: "exact_match" (answer == gold after whitespace normalisation) or "math_verify"
-            (mathematical equivalence; the answer needs $...$ or \\boxed{}).
+        reward: "exact_match" (answer == gold after whitespace normalisation), "last_number"
+            (the last number in the answer == the gold number: for models that answer in a
+            sentence) or "math_verify" (mathematical equivalence; the answer needs $...$ or
+            \\boxed{}).
         instruction: text appended to the question (on its own line); None picks the default for
             the reward ("Reply with only the final answer." / "Put the final answer in \\boxed{}.").
     """
