@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sao_megatron.convert.spec import ConversionSpec
+from sao_megatron.convert.spec import ConversionSpec, hf_config_compat
 from sao_megatron.models.config import MoEModelConfig
 
 
@@ -17,13 +17,16 @@ def model_config_from_hf(hf: dict[str, Any], **overrides: Any) -> MoEModelConfig
     """Build the ``MoEModelConfig`` for an HF ``config.json`` dict.
 
     Args:
-        hf: parsed ``config.json``.
+        hf: parsed ``config.json``, with transformers-4 or transformers-5 field names
+            (``rope_theta`` or ``rope_parameters.rope_theta``; ``num_experts`` or
+            ``num_local_experts``; see :func:`~sao_megatron.convert.spec.hf_config_compat`).
         overrides: ``MoEModelConfig`` fields to set (e.g. ``moe_token_dispatcher_type``).
 
     Raises:
         ValueError: unknown architecture or unsupported feature (see
             :meth:`ConversionSpec.from_hf_config`), or a missing field.
     """
+    hf = hf_config_compat(hf)
     spec = ConversionSpec.from_hf_config(hf)  # validates architecture and features
     if spec.num_experts:
         return MoEModelConfig.from_hf_config(hf, **overrides)

@@ -8,6 +8,61 @@ from typing import Any
 
 from sao_megatron.convert.families import Family, family_for_architecture
 
+# transformers 5 spelling -> transformers 4 spelling, per model_type, for the expert count.
+# 4.x: Mixtral ``num_local_experts``, Qwen2-MoE / Qwen3-MoE ``num_experts``; 5.x configs may use
+# either name in any of these families.
+_EXPERT_COUNT_KEY = {
+    "mixtral": "num_local_experts",
+    "qwen2_moe": "num_experts",
+    "qwen3_moe": "num_experts",
+}
+_DEFAULT_ROPE_TYPES = (None, "default")
+
+
+def hf_config_compat(config: dict[str, Any]) -> dict[str, Any]:
+    """A copy of an HF ``config.json`` dict with transformers-4 field names filled in.
+
+    transformers 5 writes the rope settings as ``rope_parameters = {"rope_type": "default",
+    "rope_theta": 1e5, ...}`` instead of top-level ``rope_theta`` (+ ``rope_scaling`` for
+    non-default rope types), and may name the expert count ``num_local_experts`` in families
+    whose 4.x config says ``num_experts`` (and vice versa). Everything in this package reads the
+    4.x names, so readers call this first. Mapping (4.x keys already present win when equal):
+
+    - ``rope_parameters["rope_theta"]`` -> ``rope_theta``;
+    - ``rope_parameters`` with a ``rope_type`` other than ``"default"`` -> ``rope_scaling``
+      (so the checks that refuse rope scaling see it);
+    - ``num_local_experts`` <-> ``num_experts``, whichever the family's 4.x config uses.
+
+    Raises:
+        ValueError: both spellings present with different values, naming both keys, or
+            ``rope_parameters`` that is not a dict.
+    """
+    out = dict(config)
+
+    def fill(key: str, value: Any, source: str) -> None:
+        if out.get(key) is None:
+            out[key] = value
+        elif out[key] != value:
+            raise ValueError(
+                f"config.json {key}={out[key]!r} and {source}={value!r} disagree: keep one of them"
+            )
+
+    rope = out.get("rope_parameters")
+    if rope is not None:
+        if not isinstance(rope, dict):
+            raise ValueError(f"config.json rope_parameters={rope!r}: expected a dict")
+        if rope.get("rope_theta") is not None:
+            fill("rope_theta", rope["rope_theta"], "rope_parameters.rope_theta")
+        if rope.get("rope_type", rope.get("type")) not in _DEFAULT_ROPE_TYPES:
+            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+            fill("rope_scaling", scaling, "rope_parameters")
+    key = _EXPERT_COUNT_KEY.get(out.get("model_type", ""))
+    if key is not None:
+        other = "num_experts" if key == "num_local_experts" else "num_local_experts"
+        if out.get(other) is not None:
+            fill(key, out[other], other)
+    return out
+
 
 @dataclass(kw_only=True)
 class ConversionSpec:
@@ -81,7 +136,11 @@ class ConversionSpec:
         Raises:
             ValueError: unknown architecture, a missing field, or a feature the mapping does not
                 cover (biases on o_proj / MLP, sliding-window attention) -- naming the field.
+
+        transformers-5 names (``rope_parameters``, ``num_local_experts`` in Qwen MoE configs)
+        are accepted too (:func:`hf_config_compat`).
         """
+        config = hf_config_compat(config)
         archs = config.get("architectures") or []
         if len(archs) != 1:
             raise ValueError(

