@@ -163,7 +163,7 @@ class ValueModelConfig:
     """
 
     freeze_patterns: list[str] = field(default_factory=lambda: list(VALUE_DEFAULT_FREEZE_PATTERNS))
-    head_init_std: float = 0.0
+    head_init_std: float = 0.02
 
     def __post_init__(self) -> None:
         if self.head_init_std < 0:
