@@ -23,6 +23,7 @@ Remote engines (clusters) are plain URLs; the same `EngineClient` talks to both.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import signal
 import subprocess
@@ -41,6 +42,7 @@ from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.routing import decode_routing
 from sao_megatron.rollout.supervisor import group_members
 
+log = logging.getLogger("sao_megatron.rollout")
 SERVED_MODEL_NAME = "policy"
 WORKER_EXTENSION = "sao_megatron.rollout.vllm_worker_ext.SAOWorkerExtension"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -311,6 +313,17 @@ class EngineProcess:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
         except OSError:
             return "(no log)"
+
+
+def start_engines(processes: list[EngineProcess]) -> None:
+    """Start every engine at once (their start-ups overlap), then wait for each and log its
+    URL, start-up time and log file. Raises EngineError (`EngineProcess.wait_ready`) for the
+    first engine that does not become healthy; the caller stops the others."""
+    for p in processes:
+        p.start()
+    for p in processes:
+        waited = p.wait_ready()
+        log.info("engine %d ready at %s after %.1f s (log %s)", p.index, p.url, waited, p.log_path)
 
 
 class EngineClient:

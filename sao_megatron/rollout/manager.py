@@ -47,7 +47,13 @@ from sao_megatron.data.episode import EpisodeFormatter
 from sao_megatron.data.trajectory import Trajectory
 from sao_megatron.rollout.buffer import Group, StalenessBuffer
 from sao_megatron.rollout.config import RolloutConfig
-from sao_megatron.rollout.engine import EngineClient, EngineError, EngineProcess, Generation
+from sao_megatron.rollout.engine import (
+    EngineClient,
+    EngineError,
+    EngineProcess,
+    Generation,
+    start_engines,
+)
 from sao_megatron.rollout.gateway import close_shared_gateway
 from sao_megatron.rollout.router import Router
 from sao_megatron.rollout.runner import EpisodeError, run_episode, sample_action, stop_token_ids
@@ -203,18 +209,8 @@ class RolloutManager:
                 EngineProcess(c, i, self.model_path, self.run_dir) for i in range(c.num_engines)
             ]
             self.processes = list(procs)
-            for p in procs:
-                p.start()
             try:
-                for p in procs:
-                    waited = p.wait_ready()
-                    log.info(
-                        "engine %d ready at %s after %.1f s (log %s)",
-                        p.index,
-                        p.url,
-                        waited,
-                        p.log_path,
-                    )
+                start_engines(procs)
             except BaseException:
                 self.stop()
                 raise

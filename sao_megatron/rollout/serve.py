@@ -46,7 +46,7 @@ from pathlib import Path
 import httpx
 
 from sao_megatron.rollout.config import RolloutConfig
-from sao_megatron.rollout.engine import EngineClient, EngineError, EngineProcess
+from sao_megatron.rollout.engine import EngineClient, EngineError, EngineProcess, start_engines
 
 log = logging.getLogger("sao_megatron.rollout.serve")
 
@@ -288,18 +288,8 @@ def _serve_one(config, urls_file, req, host, task, num_tasks, stop, poll_s) -> t
     engines = [NodeEngine(config, i, model_path, node_dir, host) for i in range(config.num_engines)]
     code, replaced, failed = 0, False, False
     try:
-        for e in engines:
-            e.start()
         try:
-            for e in engines:
-                waited = e.wait_ready()
-                log.info(
-                    "engine %d ready at %s after %.1f s (log %s)",
-                    e.index,
-                    e.url,
-                    waited,
-                    e.log_path,
-                )
+            start_engines(engines)
         except EngineError as err:
             write_json(part, {"nonce": nonce, "host": host, "error": str(err)})
             log.error("%s", err)
