@@ -65,8 +65,9 @@ def deviation_cause_sums(
 
 def finish_deviation_causes(sums: dict[str, float]) -> dict[str, float]:
     """Sums (possibly added over ranks) -> metrics: ``<group>/token_fraction`` (of all measured
-    tokens), ``<group>/abs_one_minus_ratio_mean`` and ``<group>/abs_logprob_diff_mean`` (NaN for
-    an empty group: nothing to report, never a fake 0)."""
+    tokens), ``<group>/abs_one_minus_ratio_mean`` and ``<group>/abs_logprob_diff_mean``. An empty
+    group reports its token fraction (0) and no means: nothing to report, never a fake 0 (and no
+    NaN for the metrics logger to warn about on every step that has no stale tokens)."""
     total = sums.get("lag0/count", 0.0) + sums.get("lag1plus/count", 0.0)
     out = {}
     for name in GROUPS:
@@ -74,12 +75,9 @@ def finish_deviation_causes(sums: dict[str, float]) -> dict[str, float]:
             continue
         n = sums[f"{name}/count"]
         out[f"{name}/token_fraction"] = n / total if total else math.nan
-        out[f"{name}/abs_one_minus_ratio_mean"] = (
-            sums[f"{name}/abs_one_minus_ratio_sum"] / n if n else math.nan
-        )
-        out[f"{name}/abs_logprob_diff_mean"] = (
-            sums[f"{name}/abs_logprob_diff_sum"] / n if n else math.nan
-        )
+        if n:
+            out[f"{name}/abs_one_minus_ratio_mean"] = sums[f"{name}/abs_one_minus_ratio_sum"] / n
+            out[f"{name}/abs_logprob_diff_mean"] = sums[f"{name}/abs_logprob_diff_sum"] / n
     return out
 
 

@@ -158,6 +158,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(to_yaml(job))
         return 0
     _setup_logging(int(os.environ.get("RANK", "0")))
+    # Megatron warns at import that Apex / Transformer Engine are absent, once per module (six
+    # lines): expected on CPU, and on GPUs the platform log says which kernels were chosen.
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed")
     from sao_megatron.parallel import destroy_parallel, initialize_parallel
     from sao_megatron.trainer.checkpoint import CheckpointError
     from sao_megatron.trainer.controller import Controller
@@ -168,6 +171,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Path(job.run_dir).mkdir(parents=True, exist_ok=True)
     parallel = initialize_parallel(job.parallel)
+    if parallel.rank == 0:
+        pf = parallel.platform
+        logging.getLogger("sao_megatron.trainer").info(
+            "platform: %s, %s, %s layer specs, %d rank(s)",
+            pf.device.type,
+            pf.backend,
+            "Transformer Engine" if pf.use_te else "Megatron-Core local",
+            parallel.world_size,
+        )
     checkpoint_error = None
     try:
         summary = Controller(job, parallel).run()

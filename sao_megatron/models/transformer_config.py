@@ -142,6 +142,7 @@ def build_transformer_config(
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
+        cuda_graph_scope=[],  # = Megatron's default "full" without its deprecation warning
         # gloo matches point-to-point messages per peer in posting order; batched isend/irecv
         # can swap the activation and the gradient that the interleaved schedule exchanges
         # with the same peer (pp=2), so CPU uses Megatron's ordered (even/odd) p2p instead.

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import random
 import time
 from collections.abc import Iterator
@@ -379,6 +380,8 @@ class Controller:
         version evaluated: 0 before RL, the last step after it, every rl.eval_interval)."""
         if not metrics:
             return
+        if self.rank0:
+            log.info("held-out evaluation at step %d: %s", step, _eval_summary(metrics))
         cfg = dataclasses.replace(self.job.logging, console=False)
         rl_dir = self.run_dir / "rl"
         with MetricsLogger(cfg, rl_dir, is_logging_rank=self.rank0, metrics_file=EVAL_FILE) as lg:
@@ -650,6 +653,20 @@ def _rollout_metrics(stats: dict) -> dict[str, float]:
     if util:
         out["rollout/worker_utilization"] = sum(util) / len(util)
     return out
+
+
+def _eval_summary(metrics: dict[str, float]) -> str:
+    """One console line of an evaluation: each env's success rate with its standard error and
+    task count, then the episode errors (e.g. ``chain_sum 10.2% +- 1.9 (256 tasks); 0 errors``)."""
+    parts = []
+    for key, rate in sorted(metrics.items()):
+        if key.startswith("eval/") and key.endswith("/success_rate") and key.count("/") == 2:
+            env = key.split("/")[1]
+            se = metrics.get(f"eval/{env}/success_se", math.nan)
+            n = metrics.get(f"eval/{env}/num_tasks", math.nan)
+            parts.append(f"{env} {100 * rate:.1f}% +- {100 * se:.1f} ({n:.0f} tasks)")
+    errors = metrics.get("eval/num_errors", 0.0)
+    return "; ".join(parts) + f"; {errors:.0f} errors"
 
 
 def _step_of(checkpoint: Path) -> int:
