@@ -35,6 +35,7 @@ def _write_run(run_dir: Path, *, seed: int, with_value: bool, num_steps: int = 4
                 "time/rollout": 1.2,
                 "time/policy": 0.8,
                 "time/unix": 1.7e9 + step,
+                "time/rl_elapsed_s": 2.5 * step,
             }
             if with_value:
                 rec["loss/value"] = 0.5 * math.exp(-step / 10)
@@ -98,3 +99,29 @@ def test_overlay_missing_keys_and_key_panels(tmp_path):
     )  # loss/value: "no data"
     _check_png(out, min_kib=15, min_hw=(350, 900))
     assert plot_metrics.main([str(tmp_path / "nowhere")]) == 2
+
+
+def test_time_axis_and_smoothing(tmp_path):
+    sys.path.insert(0, str(TOOL.parent))
+    try:
+        import plot_metrics
+    finally:
+        sys.path.pop(0)
+    _write_run(tmp_path / "sao", seed=0, with_value=True)
+    records = plot_metrics.read_jsonl(tmp_path / "sao" / "metrics.jsonl")
+    xs, ys = plot_metrics.series(records, "reward/mean", "time/rl_elapsed_s")
+    assert xs[:3] == [2.5, 5.0, 7.5] and len(ys) == 40
+    assert plot_metrics.trailing_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert plot_metrics.trailing_mean([1.0, 3.0, 5.0], 8) == [1.0, 2.0, 3.0]
+    assert plot_metrics.trailing_mean([1.0, 3.0], 1) == [1.0, 3.0]
+    smooth = plot_metrics.trailing_mean(ys, 5)
+    assert abs(smooth[9] - sum(ys[5:10]) / 5) < 1e-12
+    assert plot_metrics.main([str(tmp_path / "sao"), "--x", "time", "--smooth", "4"]) == 0
+    _check_png(tmp_path / "sao" / "plots" / "metrics.png", min_kib=60)
+    proc = subprocess.run(
+        [sys.executable, str(TOOL), str(tmp_path / "sao"), "--smooth", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "--smooth 0" in proc.stderr

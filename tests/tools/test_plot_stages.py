@@ -28,7 +28,7 @@ def test_sft_run_draws_only_its_panels(tmp_path, monkeypatch):
             rec |= {"sft/lr": 1e-3, "time/unix": 1.7e9 + step}
             f.write(json.dumps(rec) + "\n")
     drawn = []
-    monkeypatch.setattr(pm, "draw_panel", lambda ax, panel, runs: drawn.append(panel.title))
+    monkeypatch.setattr(pm, "draw_panel", lambda ax, panel, runs, **kw: drawn.append(panel.title))
     assert pm.plot_runs([run], tmp_path / "out").is_file()
     assert drawn == ["SFT loss", "SFT token accuracy", "Learning rate"]
 
