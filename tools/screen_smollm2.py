@@ -8,7 +8,11 @@ as one user message through the model's chat template (its default system messag
 once at temperature 1 (top_p 1) and once greedily, up to `--max-new-tokens`, cut at the first
 <|im_end|>, scored with the last-number reward. Prints one JSON line per task: T1 success rate,
 its standard error sqrt(p(1-p)/n), greedy success rate, seconds. A screen only: the trainer's
-held-out evaluation (vLLM, `tasks.eval_seed`) is the measurement.
+held-out evaluation (vLLM, `tasks.eval_seed`) is the measurement. `--show N` also prints the
+first N greedy replies (question, gold, reply, reward), e.g. to read what RL changed:
+
+    .venv/bin/python tools/screen_smollm2.py --model runs/smollm2_sao/hf_policy_final \
+        --tokenizer .cache/models/SmolLM2-135M-Instruct --show 6 --task '["chain_sum", {...}]'
 """
 
 from __future__ import annotations
@@ -34,9 +38,11 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--seed", type=int, default=12345)
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--tokenizer", help="tokenizer folder (default: --model)")
+    ap.add_argument("--show", type=int, default=0, help="print the first N greedy replies")
     args = ap.parse_args()
     torch.manual_seed(0)
-    tok = AutoTokenizer.from_pretrained(args.model)
+    tok = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     eos = tok.convert_tokens_to_ids("<|im_end|>")
@@ -73,7 +79,12 @@ def main() -> None:
                     )
                 for j, row in enumerate(out[:, enc["input_ids"].shape[1] :]):
                     reply = tok.decode(row).split("<|im_end|>")[0]
-                    acc.append(last_number_reward(reply, str(ds[i + j]["answer"])))
+                    gold = str(ds[i + j]["answer"])
+                    acc.append(last_number_reward(reply, gold))
+                    if not do_sample and i + j < args.show:
+                        q = ds[i + j]["question"]
+                        shown = {"question": q, "gold": gold, "reply": reply, "reward": acc[-1]}
+                        print(json.dumps(shown), flush=True)
         p, n = sum(sampled) / args.num, args.num
         row = {"task": name, "difficulty": knobs, "n": n, "T1": p, "se": (p * (1 - p) / n) ** 0.5}
         row |= {"greedy": sum(greedy) / n, "seconds": round(time.time() - t0)}

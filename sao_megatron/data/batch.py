@@ -35,7 +35,13 @@ class TrainBatch:
     row_trajectory: [B] int64, index of the trajectory each row belongs to.
     node_rewards: [num_traj, N_max] float32, reward after each action node (0 past the end).
     num_nodes: [num_traj] int64, number of action nodes per trajectory.
-    truncated: [num_traj] bool, the trajectory was cut by a budget (bootstrap from V).
+    truncated: [num_traj] bool, the trajectory hit a step/turn/context budget mid-task: GAE
+        bootstraps from V of its last state. False for a trajectory whose last action was cut
+        at its token budget (see cut_action): that episode is over (the environment never saw
+        the action, reward 0), so its return is the rewards it got and nothing is bootstrapped;
+        bootstrapping there would pay the policy V(s) for running out of tokens.
+    cut_action: [num_traj] bool, the last action was cut at its token budget
+        (`ActionNode.truncated`, vLLM ``finish_reason == "length"``); None on sub-batches.
     task_ids: list[str] of length num_traj; group_index: [num_traj] int64 (GRPO sample index).
     temperature: float, the sampling temperature shared by every trajectory in the batch.
     top_p, top_k: the engine's nucleus mass and top-k (1.0 / 0: off), shared likewise; the
@@ -66,6 +72,7 @@ class TrainBatch:
     top_k: int = 0
     routed_experts: torch.Tensor | None = None
     routing_mask: torch.Tensor | None = None
+    cut_action: torch.Tensor | None = None
 
     @property
     def has_routing(self) -> bool:
@@ -168,12 +175,17 @@ def pack_trajectories(
     node_rewards = torch.zeros((num_traj, max_nodes), dtype=torch.float32)
     for ti, traj in enumerate(trajectories):
         node_rewards[ti, : len(traj.nodes)] = torch.tensor([n.reward for n in traj.nodes])
+    cuts = [bool(t.nodes[-1].truncated) for t in trajectories]
     return TrainBatch(
         **padded,
         row_trajectory=row_trajectory,
         node_rewards=node_rewards,
         num_nodes=torch.tensor([len(t.nodes) for t in trajectories], dtype=torch.long),
-        truncated=torch.tensor([t.truncated for t in trajectories], dtype=torch.bool),
+        truncated=torch.tensor(
+            [t.truncated and not cut for t, cut in zip(trajectories, cuts, strict=True)],
+            dtype=torch.bool,
+        ),
+        cut_action=torch.tensor(cuts, dtype=torch.bool),
         task_ids=[t.task_id for t in trajectories],
         group_index=torch.tensor([t.group_index for t in trajectories], dtype=torch.long),
         temperature=trajectories[0].temperature,

@@ -48,8 +48,9 @@ class ActionNode:
         action_text: decoded action, kept for logs and debugging.
         truncated: the engine cut this action at its token budget (vLLM ``finish_reason ==
             "length"``) before a stop token: it was not passed to the environment (reward 0)
-            and ended the episode, which is then `Trajectory.truncated` (GAE bootstraps from V
-            of the state after it). Only the last node can be truncated.
+            and ended the episode, which is then `Trajectory.truncated` (for the status and
+            metrics; GAE does not bootstrap after a cut action: `TrainBatch.cut_action`). Only
+            the last node can be truncated.
         routed_experts: [m, num_layers, top_k] uint8/int16 expert indices the engine routed
             each token of this node's sequence segment to (full history: observation then
             action tokens; window: context then action tokens), for the first m tokens of the

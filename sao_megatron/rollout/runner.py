@@ -11,9 +11,11 @@ An episode ends when the environment says done (``terminated``) or truncates, wh
 ``min(env.max_steps, rollout.max_turns)`` is spent, when the prompt leaves no room to generate
 within ``max_model_len``, or when an action is cut by its token budget (the engine's
 ``finish_reason == "length"``: ``max_tokens_per_action``, or the room left in
-``max_model_len``). Those four are ``truncated``: GAE bootstraps from V of the last state. A cut
-action is incomplete, so it is *not* passed to the environment: it is recorded (its tokens were
-sampled and are trained) with reward 0 and ``ActionNode.truncated``, and the episode ends there.
+``max_model_len``). Those four are ``truncated``. A cut action is incomplete, so it is *not*
+passed to the environment: it is recorded (its tokens were sampled and are trained) with reward 0
+and ``ActionNode.truncated``, and the episode ends there. GAE bootstraps from V of the last state
+for the first three only: after a cut action the episode is over and the policy got nothing, so
+`pack_trajectories` gives it no bootstrap (`TrainBatch.truncated` False, `cut_action` True).
 
 Episodes are never aborted for staleness: a long episode keeps generating across weight updates
 (every token records its version; the trainer masks the ones older than the bound,

@@ -682,10 +682,14 @@ def _task_index(task_id: str) -> int:
 def _episode_metrics(batch) -> dict[str, float]:
     """Reward, success and length statistics of the batch's trajectories."""
     totals = batch.node_rewards.sum(1)
+    cut = batch.cut_action if batch.cut_action is not None else batch.truncated & False
+    truncated = batch.truncated | cut
     return {
         "reward/mean": float(totals.mean()),
         "reward/success_rate": float((totals >= 1.0 - 1e-6).float().mean()),
         "episode/length_mean": float(batch.num_nodes.float().mean()),
-        "episode/truncated_fraction": float(batch.truncated.float().mean()),
+        # budget-truncated or cut at the token budget (the latter do not bootstrap)
+        "episode/truncated_fraction": float(truncated.float().mean()),
+        "episode/cut_action_fraction": float(cut.float().mean()),
         "episode/action_tokens_per_trajectory": batch.num_action_tokens / batch.num_trajectories,
     }

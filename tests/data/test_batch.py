@@ -103,3 +103,23 @@ def test_trajectory_validates_top_p_and_top_k():
     t.top_p, t.top_k = 1.0, -1
     with pytest.raises(ValueError, match=r"Trajectory.top_k=-1"):
         t.validate()
+
+
+def test_cut_action_is_not_bootstrapped():
+    """A last action cut at its token budget ends the episode with nothing to bootstrap:
+    `truncated` (the GAE bootstrap flag) is False and `cut_action` True; a budget truncation
+    still bootstraps."""
+    cut = Trajectory(task_id="c", nodes=[_node([1], [2, 3])], truncated=True)
+    cut.nodes[-1].truncated = True
+    cut.validate()
+    trajs = [*_trajs(), cut]
+    batch = pack_trajectories(trajs, pad_token_id=0, max_seq_len=16)
+    assert batch.truncated.tolist() == [False, True, False, False]
+    assert batch.cut_action.tolist() == [False, False, False, True]
+    assert batch.truncated.dtype == batch.cut_action.dtype == torch.bool
+
+    from sao_megatron.trainer.controller import _episode_metrics
+
+    m = _episode_metrics(batch)
+    assert m["episode/truncated_fraction"] == 0.5  # b (budget) and c (cut)
+    assert m["episode/cut_action_fraction"] == 0.25
