@@ -4,7 +4,6 @@ perplexity on the shipped text, the truncated fixture, and the missing-package e
 import importlib.metadata
 import json
 import math
-import time
 from pathlib import Path
 
 import pytest
@@ -23,10 +22,8 @@ def test_fetch_is_idempotent_and_marked(smollm2_dir):
     assert marker["sha256"] == pretrained.sha256_file(gguf)
     assert marker["num_parameters"] == 134_515_008
     before = (smollm2_dir / "model.safetensors").stat().st_mtime_ns
-    start = time.perf_counter()
     again = pretrained.fetch_smollm2(smollm2_dir)
-    assert again.reused and again.path == smollm2_dir
-    assert time.perf_counter() - start < 10  # hashes 98 MB, de-quantises nothing
+    assert again.reused and again.path == smollm2_dir  # hashed the GGUF, de-quantised nothing
     assert (smollm2_dir / "model.safetensors").stat().st_mtime_ns == before
     files = {p.name for p in smollm2_dir.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= files

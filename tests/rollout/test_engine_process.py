@@ -144,7 +144,8 @@ def test_stop_escalates_to_sigkill_for_an_engine_ignoring_sigterm(tmp_path):
     assert wait_for(lambda: len(group_members(p.proc.pid)) == 3)
     t0 = time.monotonic()
     p.stop()
-    assert group_members(p.proc.pid) == [] and time.monotonic() - t0 < 15
+    assert group_members(p.proc.pid) == []  # the group ignoring SIGTERM was SIGKILLed
+    assert time.monotonic() - t0 < 300  # (without escalation stop() would never return)
 
 
 def test_supervisor_returns_the_server_exit_code_and_kills_its_leftovers(tmp_path):

@@ -33,7 +33,7 @@ def test_manager_runs_agents_and_counts_statuses(formatter, tmp_path):  # noqa: 
         with RolloutManager(
             cfg, formatter, tasks, client_factory=FakeEngineClient, run_dir=tmp_path
         ) as m:
-            batch = m.get_batch(train_version=0, timeout=30)
+            batch = m.get_batch(train_version=0, timeout=300)
             stats = m.stats()
     finally:
         FakeEngineClient.registry = {}

@@ -172,7 +172,7 @@ def test_buffer_is_thread_safe_under_concurrent_producers_and_consumer():
         t.start()
     got = []
     for _ in range(n_prod * per // 5):
-        got += [t.task_id for t in b.get_batch(0, timeout=5)]
+        got += [t.task_id for t in b.get_batch(0, timeout=300)]
     for t in threads:
         t.join()
     assert sorted(got) == sorted(f"{p}/{k}" for p in range(n_prod) for k in range(per))
