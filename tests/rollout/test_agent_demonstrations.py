@@ -176,3 +176,14 @@ def test_bad_demonstrations_are_clear_errors(marker_formatter):
     plain = EnvSpec(name="agent", options={"agent": f"{AGENT}:run", "task": f"{AGENT}:make_task"})
     with pytest.raises(ValueError, match="demonstration: 'file.py:demonstrate'"):
         plain.build().demonstration(0)
+
+
+def test_marker_template_needs_the_markers():
+    """A sentencepiece model without the episode markers cannot take the marker template."""
+    from sao_megatron.data.tokenizer import train_sentencepiece
+
+    lines = ["What is (2 * 3) + 4?", "ANSWER: 10"] * 20
+    cfg = TokenizerConfig(vocab_size=300)
+    cfg.user_defined_symbols = []  # set after the config's own check, which refuses it
+    with pytest.raises(ValueError, match="lacks the episode markers"):
+        MarkerChatTokenizer(train_sentencepiece(lines, cfg))
