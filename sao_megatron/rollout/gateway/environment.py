@@ -8,6 +8,7 @@ config's ``tasks.train: [{name: agent, options: {agent: "file.py:run", task:
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.util
 import inspect
@@ -77,8 +78,10 @@ class AgentEnvironment:
     step = reset
 
     def demonstration(self, seed: int, episode_task_id: str | None = None) -> AgentDemonstration:
-        """The gold conversation of seed `seed`: ``demonstrate(make_task(seed))`` (plain
-        functions only; checked when rendered). Raises ValueError without ``demonstrate``."""
+        """The gold conversation of seed `seed`: ``demonstrate(make_task(seed))`` (``demonstrate``
+        is a plain function; an async ``make_task`` is run to completion). The record's shape is
+        checked here, its rendering by `AgentDemonstration.to_sft_sequences`. Raises ValueError
+        without ``demonstrate``."""
         if self.demonstrate is None:
             raise ValueError(
                 f"agent {self.name!r} has no gold demonstrations: add "
@@ -86,6 +89,8 @@ class AgentEnvironment:
                 "'tools': [...]}) to its options in demonstrations.envs, or drop 'sft' from stages"
             )
         task = self.make_task(seed)
+        if inspect.isawaitable(task):
+            task = asyncio.run(task)
         where = f"{getattr(self.demonstrate, '__qualname__', 'demonstrate')}(make_task({seed}))"
         messages, tools = check_record(self.demonstrate(task), where)
         return AgentDemonstration(
