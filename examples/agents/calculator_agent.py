@@ -6,6 +6,7 @@ run unchanged against any OpenAI-compatible server). Trained with sao_megatron, 
 generates; the returned float is the episode's reward. See docs/AGENTS.md.
 
 The task: evaluate ``(a * b) + c`` with the ``calculator`` tool, then answer ``ANSWER: <n>``.
+``demonstrate(task)`` is the gold conversation of a task, for the SFT warm-up before RL.
 
     environment = AgentEnvironment(run, make_task, name="calculator")
 """
@@ -115,6 +116,31 @@ def make_task(seed: int) -> dict:
     rng = random.Random(seed)
     a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(1, 999)
     return {"question": f"What is ({a} * {b}) + {c}?", "answer": a * b + c}
+
+
+QUESTION_RE = re.compile(r"What is (.+)\?")
+
+
+def demonstrate(task: dict) -> dict:
+    """The gold conversation of a task (the SFT warm-up's data, docs/AGENTS.md): one calculator
+    call with the question's expression, its result, ``ANSWER: <result>``. In the record format
+    of OpenAI's chat fine-tuning files; the tool-call id is the one the gateway gives the
+    model's first call (``call_0_0``), so the agent's own messages match it exactly."""
+    expression = QUESTION_RE.fullmatch(task["question"]).group(1)
+    arguments = json.dumps({"expression": expression})
+    result = run_tool("calculator", arguments)
+    call = {"id": "call_0_0", "type": "function"}
+    call["function"] = {"name": "calculator", "arguments": arguments}
+    return {
+        "messages": [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": task["question"]},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": result},
+            {"role": "assistant", "content": f"ANSWER: {result}"},
+        ],
+        "tools": TOOLS,
+    }
 
 
 ANSWER_RE = re.compile(r"ANSWER:\s*(-?\d+(?:\.\d+)?)")

@@ -46,6 +46,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from sao_megatron.data.episode import EpisodeBuilder, EpisodeFormatConfig, EpisodeFormatter
+from sao_megatron.data.marker_chat import MarkerChatTokenizer
+from sao_megatron.data.tokenizer import SentencePieceTokenizer
 
 HISTORY_MODES = ("append", "rerender")
 OBSERVATION_ROLES = ("user", "tool")
@@ -310,9 +312,14 @@ def build_formatter(tokenizer: Any, config: EpisodeFormatConfig):
     """The episode formatter a job's ``episode`` section selects: the marker `EpisodeFormatter`
     (``episode.format=markers``) or a `ChatTemplateFormatter` over the job's tokenizer
     (``episode.format=chat_template``; raises ValueError if the tokenizer has no chat template).
+
+    A sentencepiece tokenizer (the from-scratch path, no chat template of its own) gets the
+    episode-marker chat template (`sao_megatron.data.marker_chat.MARKER_CHAT_TEMPLATE`).
     """
     if config.format == "markers":
         return EpisodeFormatter(tokenizer, config)
+    if isinstance(tokenizer, SentencePieceTokenizer):
+        tokenizer = MarkerChatTokenizer(tokenizer)
     chat = ChatFormatConfig(
         system_prompt=config.system_prompt,
         observation_role=config.observation_role,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from sao_megatron.data.episode import EpisodeFormatConfig, EpisodeFormatter, episode_text
 from sao_megatron.data.tokenizer import SentencePieceTokenizer, TokenizerConfig, train_sentencepiece
@@ -137,6 +137,16 @@ def run_demonstration(
     )
 
 
+@runtime_checkable
+class SupportsDemonstration(Protocol):
+    """An environment that renders its own gold episodes (agents run through the gateway,
+    `sao_megatron.rollout.gateway.AgentEnvironment`): ``demonstration(seed, episode_task_id)``
+    returns an object with this module's `Demonstration` methods ``text(format_config)`` (the
+    tokenizer corpus) and ``to_sft_sequences(formatter, train_on_noise)`` (the SFT data)."""
+
+    def demonstration(self, seed: int, episode_task_id: str | None = None) -> Any: ...
+
+
 def episode_seeds(base_seed: int, env_index: int, num_episodes: int) -> list[int]:
     """Deterministic, distinct-in-practice episode seeds for one environment of a config."""
     rng = random.Random(f"demo:{base_seed}:{env_index}")
@@ -144,11 +154,18 @@ def episode_seeds(base_seed: int, env_index: int, num_episodes: int) -> list[int
 
 
 def generate_demonstrations(config: DemonstrationConfig) -> list[Demonstration]:
-    """`config.num_episodes` demonstrations per environment, in config order (deterministic)."""
+    """`config.num_episodes` demonstrations per environment, in config order (deterministic).
+
+    Environments with a gold policy (`SupportsGoldAction`) are played by it; agents
+    (`SupportsDemonstration`) give their gold conversations (`AgentDemonstration`s, which have
+    the same ``text``/``to_sft_sequences`` methods)."""
     out = []
     for j, spec in enumerate(config.envs):
         env = spec.build()
         for s in episode_seeds(config.seed, j, config.num_episodes):
+            if isinstance(env, SupportsDemonstration):  # an agent: its gold conversation
+                out.append(env.demonstration(s, episode_task_id=task_id(spec.name, s)))
+                continue
             out.append(
                 run_demonstration(
                     env,

@@ -46,8 +46,10 @@ class EpisodeFormatConfig:
             "window" mode (>= 0; ignored in "full_history" mode).
         format: "markers" (this module's `EpisodeFormatter`, the from-scratch path) or
             "chat_template" (`sao_megatron.data.chat_format.ChatTemplateFormatter`: the chat
-            template of the job's tokenizer, `tokenizer.kind=hf`; the marker fields above are
-            then unused).
+            template of the job's tokenizer, `tokenizer.kind=hf`, or for the from-scratch
+            sentencepiece tokenizer the episode-marker chat template of
+            `sao_megatron.data.marker_chat`; the marker fields above are then unused). Agents
+            (the OpenAI-compatible gateway) need it.
         observation_role: chat format only: role of the environment's messages, "user" or
             "tool".
         history: chat format only: "append" (token-in/token-out, the template must be

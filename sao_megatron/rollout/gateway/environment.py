@@ -8,6 +8,7 @@ config's ``tasks.train: [{name: agent, options: {agent: "file.py:run", task:
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.util
 import inspect
@@ -20,6 +21,7 @@ from typing import Any
 from sao_megatron.data.trajectory import Trajectory
 from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.engine import REPO_ROOT
+from sao_megatron.rollout.gateway.demonstration import AgentDemonstration, check_record
 from sao_megatron.rollout.gateway.episode import AgentFn, AgentOutcome, run_agent_episode
 from sao_megatron.rollout.gateway.server import ChatGateway
 from sao_megatron.rollout.runner import GenerateFn
@@ -41,6 +43,8 @@ class AgentEnvironment:
             rollout's ``rollout.step_timeout_s`` / ``rollout.episode_timeout_s`` (None there: none).
         max_turns: model calls before truncation (capped by ``rollout.max_turns``).
         gateway: a running `ChatGateway`; default the loop's `shared_gateway()`.
+        demonstrate: optional ``task -> {"messages": [...], "tools": [...]}``, the gold
+            conversation of a task (`demonstration`; the SFT warm-up's data).
 
     ``reset``/``step`` raise TypeError: an agent is not stepped by the runner's text loop.
     """
@@ -55,8 +59,10 @@ class AgentEnvironment:
         episode_timeout_s: float | None = None,
         max_turns: int | None = None,
         gateway: ChatGateway | None = None,
+        demonstrate: Callable[[Any], dict] | None = None,
     ) -> None:
         self.agent, self.make_task, self.name = agent, make_task, name
+        self.demonstrate = demonstrate
         self.step_timeout_s, self.episode_timeout_s = step_timeout_s, episode_timeout_s
         self.max_steps = max_turns or 1_000_000
         self.max_turns = max_turns
@@ -70,6 +76,31 @@ class AgentEnvironment:
         )
 
     step = reset
+
+    def demonstration(self, seed: int, episode_task_id: str | None = None) -> AgentDemonstration:
+        """The gold conversation of seed `seed`: ``demonstrate(make_task(seed))`` (``demonstrate``
+        is a plain function; an async ``make_task`` is run to completion). The record's shape is
+        checked here, its rendering by `AgentDemonstration.to_sft_sequences`. Raises ValueError
+        without ``demonstrate``."""
+        if self.demonstrate is None:
+            raise ValueError(
+                f"agent {self.name!r} has no gold demonstrations: add "
+                "`demonstration: 'file.py:demonstrate'` (a function task -> {'messages': [...], "
+                "'tools': [...]}) to its options in demonstrations.envs, or drop 'sft' from stages"
+            )
+        task = self.make_task(seed)
+        if inspect.isawaitable(task):
+            task = asyncio.run(task)
+        where = f"{getattr(self.demonstrate, '__qualname__', 'demonstrate')}(make_task({seed}))"
+        messages, tools = check_record(self.demonstrate(task), where)
+        return AgentDemonstration(
+            task_id=episode_task_id or f"{self.name}:{seed}",
+            env_name=self.name,
+            seed=seed,
+            messages=messages,
+            tools=tools,
+            where=where,
+        )
 
     async def run(
         self,
@@ -165,13 +196,16 @@ def make_agent_environment(
     task: str | Callable[[int], Any],
     env_name: str = "agent",
     max_turns: int | None = None,
+    demonstration: str | Callable[[Any], dict] | None = None,
 ) -> AgentEnvironment:
     """The ``agent`` environment of a job config (``tasks.train: [{name: agent, options:
     {agent: "examples/agents/calculator_agent.py:run", task: "...:make_task"}}]``).
 
     Options: ``agent``/``task`` as for `resolve`; ``env_name``: the name recorded in each
     trajectory's ``info["env"]`` (not ``name``, which is the registry's: ``agent``);
-    ``max_turns`` caps this agent below ``rollout.max_turns``. The time limits are the
+    ``max_turns`` caps this agent below ``rollout.max_turns``; ``demonstration`` (optional, as
+    for `resolve`): ``task -> {"messages", "tools"}``, the gold conversation the SFT stage
+    trains on (`sao_megatron.rollout.gateway.demonstration`). The time limits are the
     rollout's (``rollout.step_timeout_s``/``episode_timeout_s``, one home for every episode)."""
     run = resolve(agent, "agent")
     if not inspect.iscoroutinefunction(run):
@@ -180,4 +214,7 @@ def make_agent_environment(
         )
     if max_turns is not None and max_turns < 1:
         raise ValueError(f"tasks.train[].options.max_turns={max_turns!r}: must be >= 1 or null")
-    return AgentEnvironment(run, resolve(task, "task"), name=env_name, max_turns=max_turns)
+    demonstrate = None if demonstration is None else resolve(demonstration, "demonstration")
+    return AgentEnvironment(
+        run, resolve(task, "task"), name=env_name, max_turns=max_turns, demonstrate=demonstrate
+    )

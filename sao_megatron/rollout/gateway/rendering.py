@@ -93,6 +93,18 @@ def render_message(m: dict) -> dict:
     return out
 
 
+def add_tool_prompt(messages: list[dict], tools: list | None) -> list[dict]:
+    """`messages` with `TOOL_PROMPT` and the tools' JSON schemas appended to the system message
+    (one is inserted when there is none), for templates that do not render ``tools``."""
+    if not tools:
+        return messages
+    prompt = TOOL_PROMPT.format(tools=json.dumps(tools, indent=None))
+    if messages and messages[0]["role"] == "system":
+        first = dict(messages[0], content=f"{messages[0]['content']}\n\n{prompt}")
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": prompt}, *messages]
+
+
 @dataclass
 class Prompt:
     """One request's prompt. ``token_ids``: the engine prompt (recorded ids + ``delta_ids``);
@@ -128,13 +140,9 @@ class Conversation:
 
     # ------------------------------------------------------------------ rendering
     def _with_tools(self, messages: list[dict]) -> list[dict]:
-        if not self.tools or self.template_has_tools:
+        if self.template_has_tools:
             return messages
-        prompt = TOOL_PROMPT.format(tools=json.dumps(self.tools, indent=None))
-        if messages and messages[0]["role"] == "system":
-            first = dict(messages[0], content=f"{messages[0]['content']}\n\n{prompt}")
-            return [first, *messages[1:]]
-        return [{"role": "system", "content": prompt}, *messages]
+        return add_tool_prompt(messages, self.tools)
 
     def render(self, messages: list[dict], generation_prompt: bool) -> str:
         kw = {"tools": self.tools} if self.tools and self.template_has_tools else {}
