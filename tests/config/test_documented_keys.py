@@ -252,7 +252,9 @@ def _override_lines() -> list[tuple[str, str, list[str]]]:
     out = []
     for path in _md_sources():
         fence = False
-        for line in path.read_text().splitlines():
+        # a command continued with a trailing backslash is one line
+        text = re.sub(r"\\\n\s*", " ", path.read_text())
+        for line in text.splitlines():
             if line.strip().startswith("```"):
                 fence = not fence
                 continue
