@@ -12,11 +12,14 @@ checkpoint and the same seeds (model, task stream, sampling), stages [value_pret
 
 The perturbation (all three runs): the policy learning rate raised from the quickstart's 1e-4
 (``--lr``) and ``--inflight`` episodes in flight, so that the policy moves far per version and
-the rollout can run the full bound ahead of the trainer. Each run is its own command
-(``--runs NAME``; a finished run is reused, delete its folder to re-measure), so each stays
-short; ``--runs`` with no name only reads the runs' ``rl/metrics.jsonl``, prints the table and
-writes the plot (deviation vs step with the target, the engines' busy fraction, the admission
-bound and the controller's episodes in flight).
+the rollout can run the full bound ahead of the trainer. The task is the quickstart's Hanoi with
+its dense ``reward_mode: progress`` (``--reward``; with the sparse success reward a short SFT
+start earns reward 0 on every step: zero advantages, the policy does not move). The SFT stage is
+shortened with ``--sft-extra`` (the figures used ``sft.steps=40 sft.optim.decay_steps=30``).
+Each run is its own command (``--runs NAME``; a finished run is reused, delete its folder to
+re-measure), so each stays short; ``--runs`` with no name only reads the runs'
+``rl/metrics.jsonl``, prints the table and writes the plot (deviation vs step with the target,
+the engines' busy fraction, the admission bound and the controller's episodes in flight).
 
     .venv/bin/python tools/bench_deviation_controller.py --runs sft fixed_small
     .venv/bin/python tools/bench_deviation_controller.py --runs fixed_large
@@ -41,9 +44,18 @@ TARGET = 0.05
 DEV = "deviation/abs_one_minus_ratio_mean"
 
 
+def task_override(reward: str) -> str:
+    """The quickstart's Hanoi task (horizon 7) with reward mode `reward`."""
+    return (
+        "tasks.train=[{name: hanoi, options: {horizon: 7, extra_disks: 0, max_steps_factor: 1.0, "
+        f"budget_end: terminate, reward_mode: {reward}}}}}]"
+    )
+
+
 def overrides(args, policy: str) -> list[str]:
     """The `sao-train` overrides of one run (shared perturbation + the policy's bounds)."""
     common = [
+        task_override(args.reward),
         "stages=[value_pretrain,rl]",
         f"value_pretrain.steps={args.value_pretrain_steps}",
         f"rl.steps={args.steps}",
@@ -67,12 +79,16 @@ def run(args, name: str) -> None:
     out = Path(args.out)
     start = benchlib.machine_info()
     if name == "sft":
-        benchlib.shared_sft(args.config, [f"seed={args.seed}", *args.sft_extra], out / "sft")
+        benchlib.shared_sft(args.config, [f"seed={args.seed}", *args.sft_extra], sft_dir(args))
     else:
         run_dir = out / name
-        benchlib.seed_from_sft(out / "sft", run_dir)
+        benchlib.seed_from_sft(sft_dir(args), run_dir)
         benchlib.run_job(args.config, overrides(args, name), run_dir)
     benchlib.measured_machine_info(out, start, name)
+
+
+def sft_dir(args) -> Path:
+    return Path(args.sft) if args.sft else Path(args.out) / "sft"
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -191,6 +207,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="examples/configs/quickstart.yaml")
     ap.add_argument("--out", default=str(REPO / "runs" / "bench_deviation_controller"))
+    ap.add_argument("--sft", default=None, help="the shared SFT run (default: OUT/sft)")
+    ap.add_argument("--reward", default="progress", choices=("progress", "success"))
     ap.add_argument("--runs", nargs="*", default=[], choices=("sft", *POLICIES))
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--value-pretrain-steps", type=int, default=2)
