@@ -219,12 +219,16 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=10, help="steps of transient left out")
     ap.add_argument("--extra", nargs="*", default=[], help="more overrides for the RL runs")
     ap.add_argument("--sft-extra", nargs="*", default=[], help="more overrides for SFT")
+    ap.add_argument("--max-step", type=int, default=0, help="compare steps 1..N only (0: all)")
     ap.add_argument("--out-png", default=str(REPO / "docs" / "img" / "deviation_controller.png"))
     args = ap.parse_args()
     for name in args.runs:
         run(args, name)
     out = Path(args.out)
     runs = {p: records(out / p) for p in POLICIES if (out / p / "rl" / "metrics.jsonl").exists()}
+    if args.max_step:
+        runs = {p: [r for r in recs if r["step"] <= args.max_step] for p, recs in runs.items()}
+    runs = {p: recs for p, recs in runs.items() if recs}
     if not runs:
         return
     rows = [summarise(n, r, args.skip) for n, r in runs.items()]
