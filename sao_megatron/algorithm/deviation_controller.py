@@ -12,20 +12,37 @@ rollout (`sao_megatron.rollout.buffer.StalenessBuffer`, `RolloutManager`):
     eta   : the admission staleness bound, an integer in [min_staleness, rollout.max_staleness]
     n_max : episodes in flight, in [min_inflight, rollout.max_concurrent_episodes]
 
-Control law, per step with measured D (mean |1 - r| of the step), smoothed as
-D_ema <- (1 - a) D_ema + a D (a = `ema`; the first measurement initialises it), target D*:
+The plant has a delay. A change of eta reaches the trained batches only after the trajectories
+already admitted under the old bound have been trained: when the trainer is the bottleneck the
+rollout runs eta batches ahead (AReaL's capacity rule), so that takes about eta steps — TCP's
+round-trip time. A controller that reacts to every step (``wait_round_trip=False``, the law of
+the first version) keeps cutting while the old batches drain and overshoots to eta = 0 and to
+few episodes in flight (`tools/sim_deviation_controller.py` shows it on such a plant). With
+``wait_round_trip`` (the default) it changes eta at most once per round trip, like TCP's one
+window cut per RTT (RFC 6582, NewReno), and cuts by the measured excess instead of one step.
 
-1. D_ema > D*, and the lag-0 tokens alone are under the target (D_lag0 < D*): the excess comes
-   from staleness, which admission controls -> decrease: eta <- eta - 1 while eta >
-   min_staleness, else n_max <- max(floor(beta n_max), min_inflight) (beta =
-   `decrease_factor`; fewer episodes in flight shorten the lag of long episodes).
-2. D_ema > D* but D_lag0 >= D*: tokens sampled by the trained version already deviate
-   (numerics, MoE routing): tightening admission cannot help and would only idle the engines ->
-   hold, and report it (``controller/limited_by_lag0`` = 1; routing replay or a higher
-   precision are the remedies).
+Control law, per step with measured D (mean |1 - r| of the step), smoothed as
+D_ema <- (1 - a) D_ema + a D (a = `ema`; the first measurement initialises it), target D*, dead
+band h = `hysteresis` < 1, D0 = the lag-0 tokens' mean |1 - r| (0 when unmeasured):
+
+0. Round trip (``wait_round_trip``): for `hold` steps after a change of eta (the larger of the
+   old and the new bound, at least 1) the measurements describe episodes admitted under the old
+   bound: eta and the decreases wait, only n_max may grow (rule 3 with D for D_ema); when the
+   hold ends D_ema restarts from the next measurement.
+1. D_ema > D*, and the lag-0 tokens alone are under the target (D0 < D*): the excess comes from
+   staleness, which admission controls -> decrease. While eta > min_staleness: with
+   ``wait_round_trip`` eta <- clip(floor(eta (h D* - D0) / (D_ema - D0)), min_staleness,
+   eta - 1) — the bound whose deviation would sit at h D* if deviation grows linearly with lag
+   (a policy drifting at a steady rate; if it grows slower, the next round trip cuts again) —
+   else eta <- eta - 1. At eta = min_staleness: n_max <- max(floor(beta n_max), min_inflight)
+   (beta = `decrease_factor`; fewer episodes in flight shorten the lag of long episodes).
+2. D_ema > D* but D0 >= D*: tokens sampled by the trained version already deviate (numerics,
+   MoE routing): tightening admission cannot help and would only idle the engines -> hold, and
+   report it (``controller/limited_by_lag0`` = 1; routing replay or a higher precision are the
+   remedies).
 3. D_ema <= D* and the engines were busy less than `busy_threshold` of the step's wall time ->
-   increase: n_max <- min(n_max + `increase_step`, max); and if also D_ema < h D* (h =
-   `hysteresis` < 1, a dead band against oscillation) eta <- min(eta + 1, max).
+   increase: n_max <- min(n_max + `increase_step`, max); and if also D_ema < h D* (a dead band
+   against oscillation) eta <- min(eta + 1, max).
 4. Otherwise hold.
 
 A step without a measurement (NaN: no trainable token) changes nothing. Pure: no threads, no
@@ -54,6 +71,7 @@ class DeviationControllerConfig:
     busy_threshold: float = 0.9
     decrease_factor: float = 0.5
     increase_step: int = 1
+    wait_round_trip: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.target < 1:
@@ -80,7 +98,8 @@ class DeviationController:
     bounds), so it only tightens when the deviation asks for it.
 
     Attributes: config, max_staleness (eta), max_inflight (n_max), deviation_ema (NaN until
-    the first measurement), last_action (-1 decrease, 0 hold, +1 increase), limited_by_lag0.
+    the first measurement and after a round trip), hold (steps left in the round trip),
+    last_action (-1 decrease, 0 hold, +1 increase), limited_by_lag0.
     """
 
     def __init__(self, config: DeviationControllerConfig) -> None:
@@ -88,6 +107,7 @@ class DeviationController:
         self.max_staleness = config.max_staleness
         self.max_inflight = config.max_inflight
         self.deviation_ema = math.nan
+        self.hold = 0
         self.last_action = 0
         self.limited_by_lag0 = False
 
@@ -104,27 +124,53 @@ class DeviationController:
         if not math.isfinite(deviation):
             self.last_action = 0
             return 0
+        before = (self.max_staleness, self.max_inflight)
+        if self.hold > 0:  # rule 0: the batches still come from the old bound
+            self.hold -= 1
+            if self.hold == 0:
+                self.deviation_ema = math.nan
+            if deviation <= c.target and busy_fraction < c.busy_threshold:
+                self.max_inflight = min(self.max_inflight + c.increase_step, c.max_inflight)
+            return self._action(before)
         if math.isnan(self.deviation_ema):
             self.deviation_ema = deviation
         else:
             self.deviation_ema = (1 - c.ema) * self.deviation_ema + c.ema * deviation
-        before = (self.max_staleness, self.max_inflight)
-        if self.deviation_ema > c.target:
-            if math.isfinite(deviation_lag0) and deviation_lag0 >= c.target:
+        d, low = self.deviation_ema, c.hysteresis * c.target
+        d0 = deviation_lag0 if math.isfinite(deviation_lag0) else 0.0
+        eta = self.max_staleness
+        if d > c.target:
+            if d0 >= c.target:
                 self.limited_by_lag0 = True
-            elif self.max_staleness > c.min_staleness:
-                self.max_staleness -= 1
+            elif eta > c.min_staleness:
+                if c.wait_round_trip:
+                    cut = math.floor(eta * (low - d0) / (d - d0))
+                    self._set_eta(max(c.min_staleness, min(eta - 1, cut)))
+                else:
+                    self.max_staleness = eta - 1
             else:
                 n = math.floor(c.decrease_factor * self.max_inflight)
                 self.max_inflight = max(n, c.min_inflight)
+                if c.wait_round_trip:
+                    self.hold = 1
         elif busy_fraction < c.busy_threshold:
             self.max_inflight = min(self.max_inflight + c.increase_step, c.max_inflight)
-            if self.deviation_ema < c.hysteresis * c.target:
-                self.max_staleness = min(self.max_staleness + 1, c.max_staleness)
+            if d < low and eta < c.max_staleness:
+                if c.wait_round_trip:
+                    self._set_eta(eta + 1)
+                else:
+                    self.max_staleness = eta + 1
+        return self._action(before)
+
+    def _set_eta(self, eta: int) -> None:
+        """Change eta and wait one round trip (rule 0) for it to reach the trained batches."""
+        self.hold = max(self.max_staleness, eta, 1)
+        self.max_staleness = eta
+
+    def _action(self, before: tuple[int, int]) -> int:
         after = (self.max_staleness, self.max_inflight)
-        action = 0 if after == before else (1 if after > before else -1)
-        self.last_action = action
-        return action
+        self.last_action = 0 if after == before else (1 if after > before else -1)
+        return self.last_action
 
     def metrics(self) -> dict[str, float]:
         """The controller's state, logged each step (``controller/*``)."""
@@ -135,6 +181,7 @@ class DeviationController:
             "controller/target": self.config.target,
             "controller/action": float(self.last_action),
             "controller/limited_by_lag0": float(self.limited_by_lag0),
+            "controller/hold": float(self.hold),
         }
 
     def state_dict(self) -> dict:
@@ -142,12 +189,14 @@ class DeviationController:
             "max_staleness": self.max_staleness,
             "max_inflight": self.max_inflight,
             "deviation_ema": self.deviation_ema,
+            "hold": self.hold,
         }
 
     def load_state_dict(self, sd: dict) -> None:
         self.max_staleness = int(sd["max_staleness"])
         self.max_inflight = int(sd["max_inflight"])
         self.deviation_ema = float(sd["deviation_ema"])
+        self.hold = int(sd.get("hold", 0))
 
 
 __all__ = ["DeviationController", "DeviationControllerConfig"]

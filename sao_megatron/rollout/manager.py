@@ -329,27 +329,29 @@ class RolloutManager:
         return result
 
     def observe_step(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Feed one train step's metrics to the deviation controller (``rollout.deviation_target``)
-        and apply its admission bounds; returns its state (``controller/*``), {} when off.
+        """Measure the engines' busy fraction of the step (``rollout/busy_fraction``: the mean
+        over engines of the share of wall time since the previous call with a request
+        outstanding; absent before `start`) and, with ``rollout.deviation_target``, feed the
+        step's metrics to the deviation controller and apply its admission bounds (its state,
+        ``controller/*``, is returned too).
 
         Reads ``deviation/abs_one_minus_ratio_mean`` and ``deviation/lag0/abs_one_minus_ratio_mean``
-        (`sao_megatron.trainer.rl_step`); the engines' busy fraction is measured here, over the
-        wall time since the previous call.
+        (`sao_megatron.trainer.rl_step`).
         """
+        out = {} if self.router is None else {"rollout/busy_fraction": self._busy_fraction()}
         if self.controller is None:
-            return {}
-        busy = self._busy_fraction()
+            return out
         self.controller.update(
             deviation=float(metrics.get("deviation/abs_one_minus_ratio_mean", float("nan"))),
             deviation_lag0=float(
                 metrics.get("deviation/lag0/abs_one_minus_ratio_mean", float("nan"))
             ),
-            busy_fraction=busy,
+            busy_fraction=out.get("rollout/busy_fraction", 0.0),
         )
         self.buffer.set_admission_staleness(self.controller.max_staleness)
         self.max_inflight = self.controller.max_inflight
         self._poke()
-        return self.controller.metrics() | {"controller/busy_fraction": busy}
+        return self.controller.metrics() | out
 
     def _busy_fraction(self) -> float:
         """Mean over engines of the share of wall time with a request outstanding, since the

@@ -48,6 +48,9 @@ STANDARD_METRICS: dict[str, str] = {
     "deviation/dropped_fraction": "fraction of action tokens dropped by the DIS band",
     "deviation/version_lag_mean": "train_version - token policy_version, mean (versions)",
     "deviation/version_lag_max": "same, max (versions)",
+    "deviation/lag0/abs_one_minus_ratio_mean": "mean |1 - r_t| over the lag-0 action tokens",
+    "deviation/routing_mismatch_frac": "share of (token, MoE layer) top-k choices where the "
+    "trainer's own experts differ from the rollout's recorded ones, 0..1 (MoE with routing)",
     "grad_norm/policy": "global grad norm before clipping",
     "grad_norm/value": "global grad norm before clipping",
     "lr/policy": "learning rate",
@@ -56,7 +59,10 @@ STANDARD_METRICS: dict[str, str] = {
     "throughput/rollout_tokens_per_s": "generated tokens/s",
     "throughput/train_tokens_per_s": "trained tokens/s",
     "throughput/steps_per_s": "train steps/s (added by MetricsLogger)",
-    "rollout/worker_utilization": "busy fraction of rollout workers, 0..1",
+    "rollout/worker_utilization": "busy fraction of rollout workers since the start, 0..1",
+    "rollout/busy_fraction": "engines' busy fraction of this step's wall time, 0..1",
+    "controller/max_staleness": "deviation controller's admission bound eta (versions)",
+    "controller/max_inflight": "deviation controller's episodes-in-flight bound",
     "time/rollout": "s per step waiting for trajectories",
     "time/value": "s per step in the value phases (value targets + K value updates)",
     "time/old_logprobs": "s per step recomputing the old log-probs (GRPO)",
@@ -74,6 +80,8 @@ PROGRESS_KEYS: dict[str, tuple[str, ...]] = {
     "reward": ("reward/mean",),
     "success": ("reward/success_rate",),
     "dev": ("deviation/abs_one_minus_ratio_mean",),
+    "route": ("deviation/routing_mismatch_frac",),  # MoE runs with recorded routing
+    "eta": ("controller/max_staleness",),  # with rollout.deviation_target
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 
 import pytest
@@ -15,7 +16,7 @@ TARGET = 0.05
 
 
 def plant_deviation(eta: int, base: float = 0.005, per_version: float = 0.02) -> float:
-    """Synthetic run: mean |1 - r| grows linearly with the admission staleness bound."""
+    """Synthetic run without delay: mean |1 - r| grows linearly with the staleness bound."""
     return base + per_version * eta
 
 
@@ -24,45 +25,101 @@ def plant_busy(n_max: int, needed: int = 8) -> float:
     return min(1.0, n_max / needed)
 
 
+class FifoPlant:
+    """An asynchronous run with the rollout's delay: per train step the engines start up to
+    `rate` batches within AReaL's capacity rule (batches started <= v + eta + 1, v the train
+    version), the trainer trains the oldest finished batch; its tokens lag v - (version it was
+    sampled at), and mean |1 - r| = base + per_version * lag. Busy: batches started / rate."""
+
+    def __init__(self, base: float = 0.005, per_version: float = 0.02, rate: int = 2) -> None:
+        self.base, self.per_version, self.rate = base, per_version, rate
+        self.queue: collections.deque[int] = collections.deque()
+        self.started = self.version = 0
+
+    def step(self, eta: int) -> tuple[float, float, int]:
+        """One train step under admission bound eta: (deviation, busy fraction, lag)."""
+        admitted = 0
+        while admitted < self.rate and self.started < self.version + eta + 1:
+            self.queue.append(self.version)
+            self.started += 1
+            admitted += 1
+        lag = self.version - self.queue.popleft()
+        self.version += 1
+        return self.base + self.per_version * lag, admitted / self.rate, lag
+
+
 def _ctl(**kw) -> DeviationController:
     base = dict(target=TARGET, max_staleness=6, max_inflight=16, min_inflight=1, ema=1.0)
     return DeviationController(DeviationControllerConfig(**(base | kw)))
 
 
+def _run_on_fifo(ctl: DeviationController, steps: int = 40):
+    plant, trace = FifoPlant(), []
+    for _ in range(steps):
+        d, busy, _ = plant.step(ctl.max_staleness)
+        trace.append((d, ctl.max_staleness, ctl.max_inflight))
+        ctl.update(deviation=d, deviation_lag0=0.005, busy_fraction=busy)
+    return trace
+
+
+def test_fixed_bound_on_the_fifo_plant_lags_by_eta():
+    plant = FifoPlant()
+    lags = [plant.step(6)[2] for _ in range(30)]
+    assert lags[:3] == [0, 1, 1] and lags[-5:] == [6] * 5  # the rollout runs eta batches ahead
+    assert plant_deviation(6) > TARGET  # 0.125: the user's fixed bound breaks the target
+
+
 def test_holds_the_target_where_the_fixed_bound_breaks_it():
-    ctl = _ctl()
-    assert plant_deviation(6) > TARGET  # the user's fixed bound (6) breaks the target
-    trace = []
-    for _ in range(30):
-        d = plant_deviation(ctl.max_staleness)
-        trace.append(d)
-        ctl.update(deviation=d, deviation_lag0=0.005, busy_fraction=plant_busy(ctl.max_inflight))
+    trace = _run_on_fifo(_ctl(ema=0.5))
+    ds, etas, ns = zip(*trace, strict=True)
     # the largest bound within the target: 0.005 + 0.02 * 2 = 0.045 <= 0.05 < 0.065
-    assert ctl.max_staleness == 2
-    assert all(d <= TARGET for d in trace[5:])  # after the transient (one step per version)
-    assert ctl.max_inflight == 16  # staleness fixed it: the engines keep all their episodes
-    assert ctl.last_action == 0  # settled: inside the dead band, engines busy
+    assert etas[-1] == 2 and set(etas[-10:]) == {2}
+    assert all(d <= TARGET for d in ds[20:])  # after the transient
+    assert min(etas) >= 1  # never driven to synchronous rollout
+    assert min(ns) == 16  # staleness fixed it: the engines keep all their episodes
+
+
+def test_per_step_law_overshoots_on_a_delayed_plant():
+    """Without waiting a round trip (the first version's law) the controller keeps cutting
+    while the batches admitted under the old bound drain: eta 0 and fewer episodes."""
+    trace = _run_on_fifo(_ctl(ema=0.5, wait_round_trip=False))
+    _, etas, ns = zip(*trace, strict=True)
+    assert min(etas) == 0 and min(ns) < 16
+
+
+def test_cut_is_proportional_to_the_excess():
+    ctl = _ctl()
+    ctl.update(deviation=0.125, deviation_lag0=0.005, busy_fraction=1.0)
+    # floor(6 * (0.035 - 0.005) / (0.125 - 0.005)) = floor(1.5) = 1; then a 6-step round trip
+    assert (ctl.max_staleness, ctl.hold, ctl.last_action) == (1, 6, -1)
+    for left in range(5, -1, -1):
+        assert ctl.update(deviation=0.3, busy_fraction=1.0) == 0 and ctl.hold == left
+    assert math.isnan(ctl.deviation_ema)  # the next measurement starts a fresh average
+    ctl.update(deviation=0.02, busy_fraction=1.0)
+    assert ctl.deviation_ema == 0.02 and ctl.max_staleness == 1
 
 
 def test_cuts_episodes_in_flight_only_at_the_staleness_floor():
     ctl = _ctl(max_staleness=1)
-    for expected_eta, expected_n in ((0, 16), (0, 8), (0, 4), (0, 2), (0, 1), (0, 1)):
+    expected = [(0, 16), (0, 16), (0, 8), (0, 8), (0, 4), (0, 4), (0, 2), (0, 2), (0, 1)]
+    for eta_n in expected + [(0, 1)] * 3:  # each cut waits one step (round trip at eta = 0)
         ctl.update(deviation=0.2, deviation_lag0=0.01, busy_fraction=1.0)
-        assert (ctl.max_staleness, ctl.max_inflight) == (expected_eta, expected_n)
+        assert (ctl.max_staleness, ctl.max_inflight) == eta_n
     assert ctl.last_action == 0  # at both floors
 
 
 def test_recovers_when_the_deviation_falls_and_engines_idle():
     ctl = _ctl(max_staleness=3, increase_step=2)
-    for _ in range(8):  # a perturbation (e.g. an LR spike) drives both knobs down
+    for _ in range(16):  # a perturbation (e.g. an LR spike) drives both knobs down
         ctl.update(deviation=0.3, deviation_lag0=0.01, busy_fraction=1.0)
     assert (ctl.max_staleness, ctl.max_inflight) == (0, 1)
     actions = []
     for _ in range(20):
         actions.append(ctl.update(deviation=0.01, busy_fraction=plant_busy(ctl.max_inflight)))
     assert set(actions) <= {0, 1} and actions[0] == 1 and actions[-1] == 0
-    # staleness back at the user's bound; episodes grown until the engines are saturated (8)
-    assert ctl.max_staleness == 3
+    # episodes grown until the engines are saturated (8); staleness grows (one step per round
+    # trip) only while they idle: 0 -> 1 -> 2, and then the engines are busy
+    assert ctl.max_staleness == 2
     assert plant_busy(ctl.max_inflight) >= 0.9 and ctl.max_inflight <= 9
 
 
@@ -105,6 +162,7 @@ def test_ema_and_missing_measurements():
         "controller/target",
         "controller/action",
         "controller/limited_by_lag0",
+        "controller/hold",
     }
 
 
@@ -135,9 +193,10 @@ def test_manager_applies_the_bounds_to_admission(tmp_path):
     cfg = RolloutConfig(deviation_target=0.05, max_staleness=3, max_concurrent_episodes=8)
     m = RolloutManager(cfg, make_formatter(), [], run_dir=tmp_path, group_size=2)
     assert m.buffer.admission_staleness == 3 and m.max_inflight == 8
-    out = m.observe_step({"deviation/abs_one_minus_ratio_mean": 0.3})
-    assert out["controller/max_staleness"] == 2.0 and out["controller/action"] == -1.0
-    assert m.buffer.admission_staleness == 2 and m.buffer.max_staleness == 3  # hand-off keeps 3
-    m.buffer.set_train_version(3)  # engines 3 versions behind: admitted at 3, not at 2
+    out = m.observe_step({"deviation/abs_one_minus_ratio_mean": 0.06})
+    # floor(3 * (0.035 - 0) / (0.06 - 0)) = 1 (no lag-0 tokens measured: D0 = 0)
+    assert out["controller/max_staleness"] == 1.0 and out["controller/action"] == -1.0
+    assert m.buffer.admission_staleness == 1 and m.buffer.max_staleness == 3  # hand-off keeps 3
+    m.buffer.set_train_version(2)  # engines 2 versions behind: admitted at 3, not at 1
     assert not m.buffer.can_start(engine_version=0)
-    assert "controller/busy_fraction" in out
+    assert "rollout/busy_fraction" not in out  # not started: no engines to measure

@@ -249,3 +249,25 @@ def test_get_batch_timeout_reports_the_time_waited_and_the_counts(fakes, tmp_pat
     assert "no batch of 4 trajectories at train_version=0 after 2.5 s" in msg
     assert "0 admissible ready, 8 episodes in flight, 0 trajectories finished" in msg
     assert "0 groups failed" in msg and "2/2 engines healthy" in msg
+
+
+def test_observe_step_measures_the_busy_fraction_of_the_step(fakes, tmp_path):
+    with make_manager(tmp_path, max_staleness=0) as m:  # no controller: the measurement alone
+        m.get_batch(train_version=0, timeout=10)
+        m.observe_step({})  # the window starts here
+        time.sleep(0.5)  # synchronous: nothing may start before version 1 is published
+        out = m.observe_step({})
+        assert set(out) == {"rollout/busy_fraction"}
+        assert 0.0 <= out["rollout/busy_fraction"] < 0.05, out
+        for e in fakes:
+            e.token_latency_s = 0.05
+        m.publish_weights({"w": torch.zeros(2)}, version=1)  # (resumes the engines) admits more
+        for e in fakes:  # requests in flight now stay outstanding: the engines count as busy
+            e.unpaused.clear()
+        time.sleep(0.2)
+        m.observe_step({})
+        time.sleep(0.5)
+        busy = m.observe_step({})["rollout/busy_fraction"]
+        for e in fakes:
+            e.unpaused.set()
+        assert busy > 0.95, busy

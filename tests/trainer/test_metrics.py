@@ -118,6 +118,15 @@ def test_progress_bar_shows_reward_success_deviation_rate(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "3/4" in err and "reward=0.5" in err and "success=0.25" in err
     assert "dev=0.0125" in err and "step/s=" in err
+    assert "eta=" not in err and "route=" not in err  # absent metrics are not shown
+
+
+def test_progress_shows_routing_mismatch_and_controller_bound(tmp_path, capsys):
+    cfg = LoggingConfig(tensorboard=False, console=True)
+    with MetricsLogger(cfg, tmp_path, is_logging_rank=True, total_steps=1) as logger:
+        logger.log(1, {"deviation/routing_mismatch_frac": 0.0184, "controller/max_staleness": 2})
+    err = capsys.readouterr().err
+    assert "route=0.0184" in err and "eta=2" in err
 
 
 def test_wandb_missing_warns(tmp_path, monkeypatch):
