@@ -104,7 +104,7 @@ class PolicyPhases:
         if state.old_logprobs is not None:
             extras["old_logprobs"] = state.old_logprobs
         with self._routed(state, replay=self.routing_replay):
-            recs = self.ctx.backward(
+            recs = self.ctx.forward_backward(
                 self.policy,
                 b,
                 extras,

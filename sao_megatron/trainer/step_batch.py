@@ -30,7 +30,9 @@ def pred(x: torch.Tensor) -> torch.Tensor:
     return x[:, 1:]
 
 
-def shard_for_data_parallel(batch: TrainBatch, dp_rank: int, dp_size: int, by_group: bool):
+def shard_for_data_parallel(
+    batch: TrainBatch, dp_rank: int, dp_size: int, by_group: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of the trajectories this DP rank trains on, and their trajectory indices.
 
     Trajectories (or, with ``by_group``, all trajectories sharing a task id) are dealt to DP ranks

@@ -2,8 +2,8 @@
 
 Loss denominators and logged figures are summed over the data-parallel group (`dp_sum`) so the
 gradient is that of the *global* token-mean and every DP rank logs the same number; a value
-update and a policy update run the same pass (`backward`, then the model's optimiser step, then
-`update_metrics`).
+update and a policy update run the same pass (`StepContext.forward_backward`, then the model's
+optimiser step, then `update_metrics`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class StepContext:
         """`xs` summed over every rank of the default process group (float64)."""
         return _sum(list(xs), reduce=dist.is_initialized() and dist.get_world_size() > 1)
 
-    def backward(
+    def forward_backward(
         self,
         train: TrainState,
         b: TrainBatch,
@@ -66,7 +66,8 @@ class StepContext:
         **sampling,
     ) -> list[dict[str, torch.Tensor]]:
         """Zero `train`'s gradients, then forward and backward `loss_fn` over the rows of `b` in
-        micro-batches (`forward_backward`; `sampling`: temperature, top_p, top_k of a policy)."""
+        micro-batches (`sao_megatron.models.forward.forward_backward`; `extras`: the loss's
+        per-token inputs [R, T-1]; `sampling`: temperature, top_p, top_k of a policy)."""
         train.zero_grad()
         return forward_backward(
             train.model,

@@ -101,7 +101,7 @@ class ValuePhases:
             extras |= {"old_values": pred(state.values[0]), "returns": pred(state.returns)}
         else:
             extras["row"] = torch.arange(b.num_rows)
-        recs = self.ctx.backward(self.value, b, extras, kind="value", loss_fn=loss_fn)
+        recs = self.ctx.forward_backward(self.value, b, extras, kind="value", loss_fn=loss_fn)
         ok, grad_norm = self.value.step()
         if pending is not None:
             self._resolve_targets(state, self._pp_values(recs, tuple(b.token_ids.shape)))
