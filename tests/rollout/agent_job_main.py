@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 from sao_megatron.cli import train
-from sao_megatron.trainer import controller, rl_step
+from sao_megatron.trainer import controller, step_advantages
 
 _pack = controller.pack_trajectories
-_advantage_inputs = rl_step.RLStep._advantage_inputs
+_advantage_inputs = step_advantages.StepAdvantages.inputs
 
 
 def _write(record: dict) -> None:
@@ -65,5 +65,5 @@ def _recording_advantage_inputs(self, real):
 if __name__ == "__main__":
     _RUN_DIR = next(a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("run_dir="))
     controller.pack_trajectories = _recording_pack
-    rl_step.RLStep._advantage_inputs = _recording_advantage_inputs
+    step_advantages.StepAdvantages.inputs = _recording_advantage_inputs
     sys.exit(train.main(sys.argv[1:]))

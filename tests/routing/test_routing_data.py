@@ -18,7 +18,7 @@ from sao_megatron.rollout.routing import (
     encode_routing,
     routing_dtype,
 )
-from sao_megatron.trainer.rl_step import local_batch, shard_for_data_parallel
+from sao_megatron.trainer.step_batch import local_batch, pad_rows, shard_for_data_parallel
 
 L, K = 3, 2  # layers, top-k
 
@@ -160,9 +160,7 @@ def test_packing_sharding_padding_and_pickle_keep_rows_aligned():
     assert sorted(seen) == [0, 1, 2, 3]
 
     # padding rows (the trainer's equal-row-count padding) carry no routing
-    from sao_megatron.trainer.rl_step import RLStep
-
-    padded = RLStep._pad_rows(None, batch, 6)
+    padded = pad_rows(batch, 6)
     assert padded.routed_experts.shape[0] == 6 and not bool(padded.routing_mask[4:].any())
 
     # pickling (broadcast_from_rank0 of trajectories; any checkpointed copy) is lossless

@@ -21,7 +21,8 @@ from sao_megatron.models import (
 )
 from sao_megatron.optim.builder import build_optimizer
 from sao_megatron.optim.config import OptimizerConfig, PrecisionConfig
-from sao_megatron.trainer.rl_step import RLStep, StepConfig, shard_for_data_parallel
+from sao_megatron.trainer.rl_step import RLStep, StepConfig
+from sao_megatron.trainer.step_batch import shard_for_data_parallel
 
 
 def _random_trajectories(num, seed, group_size=1):
@@ -229,11 +230,13 @@ def _truncated_batch(step, parallel, seed=3):
 
 
 def _count_value_passes(monkeypatch):
-    """Patch rl_step's model calls; returns a list that records 'fwd' / 'fwd+bwd' per pass."""
-    import sao_megatron.trainer.rl_step as rl
+    """Patch the step's value-model calls; returns a list that records 'fwd' / 'fwd+bwd' per
+    pass."""
+    import sao_megatron.trainer.step_context as context
+    import sao_megatron.trainer.value_phase as value_phase
 
     calls = []
-    fb, cv = rl.forward_backward, rl.compute_values
+    fb, cv = context.forward_backward, value_phase.compute_values
 
     def counted_fb(*a, kind, **kw):
         if kind == "value":
@@ -244,8 +247,8 @@ def _count_value_passes(monkeypatch):
         calls.append("fwd")
         return cv(*a, **kw)
 
-    monkeypatch.setattr(rl, "forward_backward", counted_fb)
-    monkeypatch.setattr(rl, "compute_values", counted_cv)
+    monkeypatch.setattr(context, "forward_backward", counted_fb)
+    monkeypatch.setattr(value_phase, "compute_values", counted_cv)
     return calls
 
 

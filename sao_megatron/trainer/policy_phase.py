@@ -1,0 +1,174 @@
+"""The policy's part of a train step: OLD_LOGPROBS and POLICY_UPDATE, with routing replay.
+
+POLICY_UPDATE minimises the algorithm's policy loss (`Algorithm.policy_loss`; DIS for SAO,
+PPO-clip for GRPO) minus ``algorithm.entropy_coef`` times the token-mean entropy over the fresh
+action tokens. Action tokens beyond the per-token staleness bound (`StepState.stale`) get
+advantage 0 and no entropy bonus; they stay in the token-mean denominator N (global action
+tokens), like DIS-band drops.
+
+When the batch carries the experts the engine routed each token to, the policy forwards either
+replay them (``rollout.routing_replay``: POLICY_UPDATE and OLD_LOGPROBS route every recorded
+token to the engine's experts) or only compare them with the trainer's own choice
+(``deviation/routing_*``, and `StepState.routing_differs` for the deviation split).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from sao_megatron.algorithm.base import Algorithm
+from sao_megatron.models.forward import compute_policy_logprobs
+from sao_megatron.models.routing_replay import RoutingReplay
+from sao_megatron.optim.builder import TrainState
+from sao_megatron.trainer.step_batch import model_inputs, pred
+from sao_megatron.trainer.step_context import StepContext
+from sao_megatron.trainer.step_state import StepState
+
+
+class PolicyPhases:
+    """The policy-model phases of a train step.
+
+    Args:
+        ctx: the step's execution context (DP sums, micro-batch size).
+        algorithm: the algorithm object (its policy loss and ``config.entropy_coef``).
+        policy: policy `TrainState` (DDP model, optimiser, LR scheduler).
+        routing_replay: replay the recorded routing in the policy forwards.
+    Raises ValueError when `routing_replay` is set for a dense policy.
+    """
+
+    def __init__(
+        self,
+        ctx: StepContext,
+        algorithm: Algorithm,
+        policy: TrainState,
+        *,
+        routing_replay: bool,
+    ) -> None:
+        self.ctx, self.algorithm, self.policy = ctx, algorithm, policy
+        self.routing_replay = routing_replay
+        self._routing: RoutingReplay | None = None
+        if routing_replay:
+            self._routing_hooks()  # fails now, not at the first batch, for a dense model
+
+    # ---------------------------------------------------------------------- phases
+    def old_logprobs(self, state: StepState) -> None:
+        """OLD_LOGPROBS: l_old of the policy before this update (forward, no grad)."""
+        b = state.batch
+        replay = self.routing_replay and b.has_routing
+        with self._routed(state, replay=True) if replay else contextlib.nullcontext():
+            old, _ = compute_policy_logprobs(
+                self.policy.model,
+                self.ctx.parallel,
+                model_inputs(b, {}),
+                b.temperature,
+                self.ctx.micro_batch_size,
+                top_p=b.top_p,
+                top_k=b.top_k,
+            )
+        if replay:
+            self._routing.take_counts()  # measured on the update's forward only
+        state.old_logprobs = old.cpu()
+
+    def update(self, state: StepState) -> None:
+        """POLICY_UPDATE: one optimiser step of the algorithm's policy loss (+ entropy bonus)."""
+        algorithm, b = self.algorithm, state.batch
+        n_tokens, n_seqs = state.num_tokens, state.num_sequences
+        entropy_coef = algorithm.config.entropy_coef
+
+        def loss_fn(outputs, mb):
+            e = mb.extras
+            loss = algorithm.policy_loss(
+                logprobs=outputs["logprobs"],
+                behaviour_logprobs=e["behaviour_logprobs"],
+                advantages=e["advantages"],
+                action_mask=e["action_mask"],
+                old_logprobs=e.get("old_logprobs"),
+                num_tokens=n_tokens,
+                num_sequences=n_seqs,
+            )
+            if entropy_coef:
+                fresh = e["action_mask"] & ~e["stale"]
+                ent = torch.where(fresh, outputs["entropy"], 0.0).sum() / n_tokens
+                loss = loss - entropy_coef * ent
+            return loss, {}
+
+        extras = {
+            "behaviour_logprobs": pred(b.behaviour_logprobs),
+            "advantages": torch.where(state.stale, 0.0, pred(state.advantages)),
+            "action_mask": pred(b.action_mask),
+            "stale": state.stale,
+        }
+        if state.old_logprobs is not None:
+            extras["old_logprobs"] = state.old_logprobs
+        with self._routed(state, replay=self.routing_replay):
+            recs = self.ctx.forward_backward(
+                self.policy,
+                b,
+                extras,
+                kind="policy",
+                loss_fn=loss_fn,
+                temperature=b.temperature,
+                top_p=b.top_p,
+                top_k=b.top_k,
+            )
+        if b.has_routing:
+            self._routing_metrics(state)
+        ok, grad_norm = self.policy.step()
+        if recs:
+            state.logprobs = torch.cat([r["logprobs"] for r in recs]).cpu()
+            state.entropy = torch.cat([r["entropy"] for r in recs]).cpu()
+        state.metrics |= self.ctx.update_metrics("policy", self.policy, recs, ok, grad_norm)
+
+    # ---------------------------------------------------------------------- routing
+    def _routing_hooks(self) -> RoutingReplay:
+        """The policy's `RoutingReplay` (installed on first use; every rank builds it)."""
+        if self._routing is None:
+            rr = RoutingReplay.for_parallel(self.policy.unwrapped, self.ctx.parallel)
+            (num_layers,) = self.ctx.world_sum(rr.num_local_layers)
+            if num_layers == 0:
+                rr.remove()
+                raise ValueError(
+                    "rollout.routing_replay=true (or rollout.record_routing=true) needs an MoE "
+                    "policy (model.num_experts > 0 with MoE layers); set it to false for a "
+                    "dense model"
+                )
+            self._routing = rr
+        return self._routing
+
+    def _routed(self, state: StepState, replay: bool):
+        """Context for a policy forward over the local batch: replays or compares the recorded
+        routing when the batch carries it, else nothing."""
+        b = state.batch
+        if not b.has_routing:
+            return contextlib.nullcontext()
+        return self._routing_hooks().session(
+            b.token_ids,
+            b.routed_experts,
+            b.routing_mask,
+            micro_batch_size=self.ctx.micro_batch_size,
+            replay=replay,
+        )
+
+    def _routing_metrics(self, state: StepState) -> None:
+        """After the policy update's forward: global mismatch fraction and the per-token map
+        of prediction positions whose routing differed (for the deviation split)."""
+        p, rr, ctx = self.ctx.parallel, self._routing, self.ctx
+        mismatched, compared = ctx.world_sum(*rr.take_counts())
+        differs = rr.last_differs.to(torch.int32)
+        for size, group in ((p.cfg.tp, p.pg_collection.tp), (p.cfg.pp, p.pg_collection.pp)):
+            if size > 1:
+                dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=group)
+        state.routing_differs = pred(differs.bool())
+        b = state.batch
+        n_real = ctx.dp_sum(int(b.loss_mask.sum()))
+        n_rec = ctx.dp_sum(int(b.routing_mask.sum()))
+        state.metrics |= {
+            "deviation/routing_mismatch_frac": mismatched / compared
+            if compared > 0
+            else float("nan"),
+            "routing/recorded_token_fraction": n_rec / max(n_real, 1.0),
+            "routing/replayed": float(self.routing_replay),
+        }

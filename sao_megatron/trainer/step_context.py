@@ -1,0 +1,95 @@
+"""The execution the phases of a train step share: sums over ranks, one model's update pass.
+
+Loss denominators and logged figures are summed over the data-parallel group (`dp_sum`) so the
+gradient is that of the *global* token-mean and every DP rank logs the same number; a value
+update and a policy update run the same pass (`StepContext.forward_backward`, then the model's
+optimiser step, then `update_metrics`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from sao_megatron.data.batch import TrainBatch
+from sao_megatron.models.forward import LossFn, forward_backward
+from sao_megatron.optim.builder import TrainState
+from sao_megatron.parallel.state import ParallelState
+from sao_megatron.trainer.step_batch import model_inputs
+
+
+def _sum(values: list[float], group=None, *, reduce: bool) -> list[float]:
+    """float64 all-reduce (sum) of `values` over `group` when `reduce`, else `values`."""
+    t = torch.tensor([float(x) for x in values], dtype=torch.float64)
+    if reduce:
+        dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
+def _f(x) -> float:
+    return float("nan") if x is None else float(x)
+
+
+class StepContext:
+    """This rank's parallel state and micro-batch size, and the operations built on them.
+
+    Args:
+        parallel: this rank's parallel state (its DP group sums the step's counts).
+        micro_batch_size: rows per micro-batch of every forward/backward (rl.micro_batch_size).
+    """
+
+    def __init__(self, parallel: ParallelState, micro_batch_size: int) -> None:
+        self.parallel, self.micro_batch_size = parallel, micro_batch_size
+
+    def dp_sum(self, x: float) -> float:
+        """`x` summed over the data-parallel group (float64)."""
+        return self.dp_sum_dict({"x": x})["x"]
+
+    def dp_sum_dict(self, d: dict[str, float]) -> dict[str, float]:
+        """`dp_sum` of every value, in one all-reduce."""
+        p = self.parallel
+        out = _sum(list(d.values()), p.pg_collection.dp if p.dp > 1 else None, reduce=p.dp > 1)
+        return dict(zip(d, out, strict=True))
+
+    def world_sum(self, *xs: float) -> list[float]:
+        """`xs` summed over every rank of the default process group (float64)."""
+        return _sum(list(xs), reduce=dist.is_initialized() and dist.get_world_size() > 1)
+
+    def forward_backward(
+        self,
+        train: TrainState,
+        b: TrainBatch,
+        extras: dict[str, torch.Tensor],
+        *,
+        kind: str,
+        loss_fn: LossFn,
+        **sampling,
+    ) -> list[dict[str, torch.Tensor]]:
+        """Zero `train`'s gradients, then forward and backward `loss_fn` over the rows of `b` in
+        micro-batches (`sao_megatron.models.forward.forward_backward`; `extras`: the loss's
+        per-token inputs [R, T-1]; `sampling`: temperature, top_p, top_k of a policy)."""
+        train.zero_grad()
+        return forward_backward(
+            train.model,
+            self.parallel,
+            model_inputs(b, extras),
+            kind=kind,
+            loss_fn=loss_fn,
+            micro_batch_size=self.micro_batch_size,
+            **sampling,
+        )
+
+    def update_metrics(
+        self, name: str, train: TrainState, recs: list[dict], ok: bool, grad_norm: float | None
+    ) -> dict[str, float]:
+        """The logged figures of one optimiser update of model `name` ("policy", "value"): the
+        global loss (sum of the micro-batches' losses over DP ranks), the gradient norm (NaN
+        when the step was skipped), whether it applied, the learning rate it used."""
+        loss = self.dp_sum(sum(float(r["loss"]) for r in recs))
+        lr = train.optimizer.param_groups[0]["lr"]
+        return {
+            f"loss/{name}": loss,
+            f"grad_norm/{name}": _f(grad_norm),
+            f"{name}/update_ok": float(ok),
+            f"lr/{name}": float(lr),
+        }
