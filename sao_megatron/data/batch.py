@@ -41,7 +41,8 @@ class TrainBatch:
         the action, reward 0), so its return is the rewards it got and nothing is bootstrapped;
         bootstrapping there would pay the policy V(s) for running out of tokens.
     cut_action: [num_traj] bool, the last action was cut at its token budget
-        (`ActionNode.truncated`, vLLM ``finish_reason == "length"``); None on sub-batches.
+        (`ActionNode.truncated`, vLLM ``finish_reason == "length"``); None when not recorded
+        (a batch built by hand).
     task_ids: list[str] of length num_traj; group_index: [num_traj] int64 (GRPO sample index).
     temperature: float, the sampling temperature shared by every trajectory in the batch.
     top_p, top_k: the engine's nucleus mass and top-k (1.0 / 0: off), shared likewise; the

@@ -70,6 +70,7 @@ def local_batch(batch: TrainBatch, rows: torch.Tensor, trajs: torch.Tensor) -> T
         node_rewards=batch.node_rewards[trajs],
         num_nodes=batch.num_nodes[trajs],
         truncated=batch.truncated[trajs],
+        cut_action=None if batch.cut_action is None else batch.cut_action[trajs],
         task_ids=[batch.task_ids[i] for i in trajs.tolist()],
         group_index=batch.group_index[trajs],
         temperature=batch.temperature,
