@@ -147,6 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, f"sao-train: give a job config\n{USAGE_EXAMPLE}\n")
     args = parser.parse_intermixed_args(argv)  # flags may sit between config and overrides
 
+    # Megatron warns at import that Apex / Transformer Engine are absent, once per module (six
+    # lines): expected on CPU, and on GPUs the platform log says which kernels were chosen.
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed")
     from sao_megatron.configs import load_config, to_yaml
     from sao_megatron.trainer.job import JobConfig
 
@@ -158,9 +161,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(to_yaml(job))
         return 0
     _setup_logging(int(os.environ.get("RANK", "0")))
-    # Megatron warns at import that Apex / Transformer Engine are absent, once per module (six
-    # lines): expected on CPU, and on GPUs the platform log says which kernels were chosen.
-    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed")
     from sao_megatron.parallel import destroy_parallel, initialize_parallel
     from sao_megatron.trainer.checkpoint import CheckpointError
     from sao_megatron.trainer.controller import Controller

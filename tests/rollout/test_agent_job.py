@@ -25,6 +25,20 @@ VLLM_PY = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 STATUSES = ("completed", "truncated", "env_error", "agent_error", "engine_error", "timeout")
 
 
+def _run_agent_job(config, overrides: list[str]):
+    """Run `sao-train config overrides` through agent_job_main (one thread, warnings off);
+    returns (completed process, wall seconds), failing with the job's output tails."""
+    cmd = [sys.executable, "-W", "ignore", "-m", "tests.rollout.agent_job_main", str(config)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    start = time.perf_counter()
+    p = subprocess.run(
+        cmd + overrides, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
+    wall = time.perf_counter() - start
+    assert p.returncode == 0, f"sao-train failed:\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    return p, wall
+
+
 def test_the_example_config_builds_the_calculator_agent():
     """What `sao-train examples/configs/agent_calculator.yaml` trains: the example's functions,
     through the ``agent`` environment of the registry (as the task stream builds it)."""
@@ -68,14 +82,7 @@ def test_sao_trains_the_calculator_agent(smollm2_2layer, tmp_path):  # noqa: F81
         "rollout.max_staleness=0",
         "logging.console=false",
     ]
-    cmd = [sys.executable, "-W", "ignore", "-m", "tests.rollout.agent_job_main", str(CONFIG)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    start = time.perf_counter()
-    p = subprocess.run(
-        cmd + overrides, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900
-    )
-    wall = time.perf_counter() - start
-    assert p.returncode == 0, f"sao-train failed:\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    p, wall = _run_agent_job(CONFIG, overrides)
 
     from transformers import AutoTokenizer
 
@@ -209,14 +216,7 @@ def test_sao_trains_the_calculator_agent_on_the_tiny_model(tmp_path):
         "rollout.max_staleness=0",
         "logging.console=false",
     ]
-    cmd = [sys.executable, "-W", "ignore", "-m", "tests.rollout.agent_job_main", str(TINY_CONFIG)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    start = time.perf_counter()
-    p = subprocess.run(
-        cmd + overrides, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900
-    )
-    wall = time.perf_counter() - start
-    assert p.returncode == 0, f"sao-train failed:\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    p, wall = _run_agent_job(TINY_CONFIG, overrides)
 
     from sao_megatron.data.tokenizer import load_tokenizer
 

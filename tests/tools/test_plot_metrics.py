@@ -15,6 +15,16 @@ ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "plot_metrics.py"
 
 
+def _import_tool():
+    """tools/plot_metrics.py as a module (tools/ is not a package)."""
+    sys.path.insert(0, str(TOOL.parent))
+    try:
+        import plot_metrics
+    finally:
+        sys.path.pop(0)
+    return plot_metrics
+
+
 def _write_run(run_dir: Path, *, seed: int, with_value: bool, num_steps: int = 40) -> None:
     """A plausible SAO (with_value) or GRPO (no value model) metrics.jsonl."""
     rng = np.random.default_rng(seed)
@@ -71,11 +81,7 @@ def test_single_run_cli(tmp_path):
 
 
 def test_overlay_missing_keys_and_key_panels(tmp_path):
-    sys.path.insert(0, str(TOOL.parent))
-    try:
-        import plot_metrics
-    finally:
-        sys.path.pop(0)
+    plot_metrics = _import_tool()
     _write_run(tmp_path / "sao", seed=0, with_value=True)
     _write_run(tmp_path / "grpo", seed=1, with_value=False)  # no value panels' keys
     assert (
@@ -102,11 +108,7 @@ def test_overlay_missing_keys_and_key_panels(tmp_path):
 
 
 def test_time_axis_and_smoothing(tmp_path):
-    sys.path.insert(0, str(TOOL.parent))
-    try:
-        import plot_metrics
-    finally:
-        sys.path.pop(0)
+    plot_metrics = _import_tool()
     _write_run(tmp_path / "sao", seed=0, with_value=True)
     records = plot_metrics.read_jsonl(tmp_path / "sao" / "metrics.jsonl")
     xs, ys = plot_metrics.series(records, "reward/mean", "time/rl_elapsed_s")
