@@ -237,9 +237,9 @@ def test_occasional_failures_do_not_stop_the_rollout(fakes, tmp_path):
 
 def test_get_batch_timeout_reports_the_time_waited_and_the_counts(fakes, tmp_path):
     """Issue 19.5: the message used to give the last 1-second poll's time ("after 0.69 s")."""
+    for e in fakes:  # before the manager starts: no episode may finish first (a race on a
+        e.mode = "hang"  # loaded machine: 3 did when this was set inside the block)
     with make_manager(tmp_path, request_timeout_s=60.0) as m:
-        for e in fakes:
-            e.mode = "hang"
         t0 = time.monotonic()
         with pytest.raises(TimeoutError) as e:
             m.get_batch(0, timeout=2.5)
