@@ -253,7 +253,7 @@ def test_get_batch_timeout_reports_the_time_waited_and_the_counts(fakes, tmp_pat
 
 def test_observe_step_measures_the_busy_fraction_of_the_step(fakes, tmp_path):
     with make_manager(tmp_path, max_staleness=0) as m:  # no controller: the measurement alone
-        m.get_batch(train_version=0, timeout=10)
+        m.get_batch(train_version=0, timeout=300)
         m.observe_step({})  # the window starts here
         time.sleep(0.5)  # synchronous: nothing may start before version 1 is published
         out = m.observe_step({})
@@ -261,10 +261,14 @@ def test_observe_step_measures_the_busy_fraction_of_the_step(fakes, tmp_path):
         assert 0.0 <= out["rollout/busy_fraction"] < 0.05, out
         for e in fakes:
             e.token_latency_s = 0.05
+        seen = [len(e.requests) for e in fakes]
         m.publish_weights({"w": torch.zeros(2)}, version=1)  # (resumes the engines) admits more
         for e in fakes:  # requests in flight now stay outstanding: the engines count as busy
             e.unpaused.clear()
-        time.sleep(0.2)
+        deadline = time.monotonic() + 300  # wait for a request on every engine, not a fixed nap
+        while any(len(e.requests) <= n for e, n in zip(fakes, seen, strict=True)):
+            assert time.monotonic() < deadline, "no request reached every engine in 300 s"
+            time.sleep(0.05)
         m.observe_step({})
         time.sleep(0.5)
         busy = m.observe_step({})["rollout/busy_fraction"]
