@@ -250,6 +250,14 @@ def step_flops(
     return {"policy_update": pol, "value_phase": val, "train_step": pol + val}
 
 
+def grpo_step_flops(model, num_rows: int, seq_len: int, policy_frac) -> float:
+    """Model FLOPs of a GRPO ``RLStep.train_step`` (PPO-clip) on ``num_rows`` x ``seq_len``
+    tokens: one no-grad policy forward (OLD_LOGPROBS) + one policy forward and backward."""
+    fp = sum(forward_flops(model, num_rows, seq_len, "policy").values())
+    bp = sum(backward_flops(model, num_rows, seq_len, "policy", policy_frac).values())
+    return 2 * fp + bp
+
+
 # ------------------------------------------------------------------------------ roofline
 def _time_matmul(g: Gemm, dtype: torch.dtype, device: str, min_run_time: float):
     """(median, best) seconds of one product of shape ``g`` over ``blocked_autorange`` blocks
@@ -325,9 +333,12 @@ def aggregate(gemms: list[Gemm], rates: dict[str, float | str]) -> float | str:
 
 
 # ------------------------------------------------------------------------------ trainer
-def synthetic_trajectories(num_rows: int, seq_len: int, vocab: int, seed: int, nodes: int = 4):
+def synthetic_trajectories(
+    num_rows: int, seq_len: int, vocab: int, seed: int, nodes: int = 4, group_size: int = 1
+):
     """``num_rows`` full-history trajectories of exactly ``seq_len`` tokens: ``nodes`` action
-    nodes, each half observation, half action tokens; random ids in [1, vocab); rewards 0/1."""
+    nodes, each half observation, half action tokens; random ids in [1, vocab); rewards 0/1.
+    ``group_size`` > 1: consecutive rows share a task id (GRPO groups, ``group_index`` 0..G-1)."""
     from sao_megatron.data.trajectory import ActionNode, Trajectory
 
     g = torch.Generator().manual_seed(seed)
@@ -347,12 +358,21 @@ def synthetic_trajectories(num_rows: int, seq_len: int, vocab: int, seed: int, n
                     reward=float(torch.rand((), generator=g) < 0.5),
                 )
             )
-        out.append(Trajectory(task_id=f"bench{r}", nodes=node_list))
+        out.append(
+            Trajectory(
+                task_id=f"bench{r // group_size}",
+                group_index=r % group_size,
+                nodes=node_list,
+            )
+        )
     return out
 
 
-def build_trainer(job, parallel, num_rows: int, seq_len: int, micro_batch_size: int):
-    """Policy/value train states, an SAO ``RLStep`` and an on-policy synthetic batch."""
+def build_trainer(
+    job, parallel, num_rows: int, seq_len: int, micro_batch_size: int, group_size: int = 1
+):
+    """Policy/value train states, an SAO ``RLStep`` and an on-policy synthetic batch (rows in
+    GRPO groups of ``group_size`` consecutive rows, which SAO ignores)."""
     from sao_megatron.algorithm import registry
     from sao_megatron.data.batch import pack_trajectories
     from sao_megatron.models import ModelInputs, compute_policy_logprobs
@@ -361,7 +381,9 @@ def build_trainer(job, parallel, num_rows: int, seq_len: int, micro_batch_size: 
 
     policy = build_policy_state(job, parallel, job.policy_optim)
     value = build_value_state(job, parallel, policy.unwrapped)
-    trajs = synthetic_trajectories(num_rows, seq_len, job.model.vocab_size, job.seed)
+    trajs = synthetic_trajectories(
+        num_rows, seq_len, job.model.vocab_size, job.seed, group_size=group_size
+    )
     batch = pack_trajectories(trajs, pad_token_id=0, max_seq_len=seq_len)
     inputs = ModelInputs(batch.token_ids, batch.loss_mask, batch.position_ids)
     lp, _ = compute_policy_logprobs(policy.model, parallel, inputs, 1.0, micro_batch_size)
@@ -381,9 +403,24 @@ def build_trainer(job, parallel, num_rows: int, seq_len: int, micro_batch_size: 
     return policy, value, step, batch
 
 
-def time_trainer(step, batch, steps: int, warmup: int) -> dict[str, list[float]]:
-    """Seconds per repeat: SAO train_step (whole, value phase, policy update) and value_step."""
+def build_grpo_step(job, parallel, policy, micro_batch_size: int):
+    """A GRPO ``RLStep`` (its defaults: PPO-clip on recomputed old log-probs, G of
+    ``algorithm.grpo``) on the same policy train state."""
+    from sao_megatron.algorithm import registry
+    from sao_megatron.algorithm.config import AlgorithmConfig
+    from sao_megatron.trainer.rl_step import RLStep, StepConfig
+
+    algo = registry.build(AlgorithmConfig(name="grpo", grpo=job.algorithm.grpo))
+    return RLStep(algo, parallel, policy, None, StepConfig(micro_batch_size=micro_batch_size))
+
+
+def time_trainer(step, batch, steps: int, warmup: int, grpo=None) -> dict[str, list[float]]:
+    """Seconds per repeat: SAO train_step (whole, value phase, policy update), value_step and,
+    with ``grpo`` (an RLStep), a GRPO train_step, interleaved in each repeat so that load drifts
+    hit SAO and GRPO alike."""
     out = {"train_step": [], "value_phase": [], "policy_update": [], "value_step": []}
+    if grpo is not None:
+        out["grpo_step"] = []
     for i in range(warmup + steps):
         t0 = time.perf_counter()
         m = step.train_step(batch, train_version=i)
@@ -391,11 +428,17 @@ def time_trainer(step, batch, steps: int, warmup: int) -> dict[str, list[float]]
         t0 = time.perf_counter()
         step.value_step(batch)
         vs = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if grpo is not None:
+            grpo.train_step(batch, train_version=i)
+        gs = time.perf_counter() - t0
         if i >= warmup:
             out["train_step"].append(total)
             out["value_phase"].append(m["time/value"] + m["time/advantages"])
             out["policy_update"].append(m["time/policy"])
             out["value_step"].append(vs)
+            if grpo is not None:
+                out["grpo_step"].append(gs)
     return out
 
 
@@ -495,6 +538,13 @@ def markdown(res: dict) -> str:
             f"[{t['min']:.3f}, {t['max']:.3f}] | {_g(r['flops_per_s'])} | "
             f"{_g(r['roofline_flops_per_s'])} | {mfu} | {mfu16} |"
         )
+    ratio = res.get("sao_over_grpo")
+    if ratio:
+        lines += [
+            "",
+            f"SAO step / GRPO step: {ratio['seconds']:.2f}x in seconds (medians), "
+            f"{ratio['flops']:.2f}x in model FLOPs (the floor if both ran at the same FLOP/s).",
+        ]
     return "\n".join(lines)
 
 
@@ -508,7 +558,7 @@ def phase_roofline(phase: str, flops: dict[str, float], policy_rate, value_rate)
     total / (policy FLOPs / policy rate + value FLOPs / value rate)."""
     if isinstance(policy_rate, str) or isinstance(value_rate, str):
         return "n/a"
-    if phase == "policy_update":
+    if phase in ("policy_update", "grpo_step"):
         return policy_rate
     if phase in ("value_phase", "value_step"):
         return value_rate
@@ -559,6 +609,12 @@ def main(argv: list[str] | None = None) -> dict:
     )
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--skip-trainer", action="store_true", help="only the roofline")
+    ap.add_argument(
+        "--no-grpo",
+        action="store_true",
+        help="do not time a GRPO step (PPO-clip, groups of algorithm.grpo.group_size rows) "
+        "next to the SAO step",
+    )
     ap.add_argument("--json", default=None, metavar="OUT", help="write the raw figures here")
     args = ap.parse_args(argv)
 
@@ -641,9 +697,19 @@ def _trainer_section(job, args, mbs: int, res: dict) -> dict:
     parallel = initialize_parallel(ParallelConfig(seed=job.parallel.seed))
     try:
         print("building models and a synthetic batch ...", file=sys.stderr)
-        policy, value, step, batch = build_trainer(job, parallel, args.rows, args.seq_len, mbs)
-        print(f"timing {args.warmup}+{args.steps} SAO steps ...", file=sys.stderr)
-        times = time_trainer(step, batch, args.steps, args.warmup)
+        group = 1 if args.no_grpo else job.algorithm.grpo.group_size
+        if args.rows % group:
+            raise ValueError(
+                f"--rows={args.rows} is not a multiple of algorithm.grpo.group_size={group}: "
+                "pick --rows as a multiple of it, or --no-grpo"
+            )
+        policy, value, step, batch = build_trainer(
+            job, parallel, args.rows, args.seq_len, mbs, group_size=group
+        )
+        grpo = None if args.no_grpo else build_grpo_step(job, parallel, policy, mbs)
+        what_runs = "SAO" if grpo is None else "SAO and GRPO"
+        print(f"timing {args.warmup}+{args.steps} {what_runs} steps ...", file=sys.stderr)
+        times = time_trainer(step, batch, args.steps, args.warmup, grpo=grpo)
     finally:
         destroy_parallel()
     pf = trainable_fractions(
@@ -655,6 +721,7 @@ def _trainer_section(job, args, mbs: int, res: dict) -> dict:
     targets_fwd = job.algorithm.sao.lam_value != 1.0  # synthetic rows: none truncated
     fl = step_flops(job.model, args.rows, args.seq_len, k, pf, vf, targets_fwd)
     fl["value_step"] = fl["value_phase"]
+    fl["grpo_step"] = grpo_step_flops(job.model, args.rows, args.seq_len, pf)
     device = parallel.platform.device.type
     dtype = job.precision.params_dtype
     ref_name = f"{device}_{dtype}"
@@ -667,6 +734,7 @@ def _trainer_section(job, args, mbs: int, res: dict) -> dict:
         ),
         "policy_update": "time/policy: 1 policy fwd + bwd + optimiser step",
         "value_step": "RLStep.value_step (value pre-training step)",
+        "grpo_step": "GRPO RLStep.train_step: 1 policy fwd (old log-probs) + policy update",
     }
     agg = res["aggregate"]
     out = {}
@@ -687,6 +755,12 @@ def _trainer_section(job, args, mbs: int, res: dict) -> dict:
             "mfu_bf16": _ratio(rate, refs["bf16"]),
         }
     res["trainable_fractions"] = {"policy": pf, "value": vf}
+    if "grpo_step" in out:
+        res["sao_over_grpo"] = {
+            "seconds": out["train_step"]["seconds"]["median"]
+            / out["grpo_step"]["seconds"]["median"],
+            "flops": fl["train_step"] / fl["grpo_step"],
+        }
     return out
 
 

@@ -181,3 +181,28 @@ def test_sao_phases_match_flop_counter(monkeypatch, parallel_1rank):
                 step.value_step(batch)
         assert scan_flops, "the advantage scan ran outside the counted call"
         assert outer.get_total_flops() - sum(scan_flops) == want[phase], phase
+
+
+def test_grpo_step_matches_flop_counter(parallel_1rank):
+    """A GRPO RLStep.train_step multiplies exactly `grpo_step_flops` (old log-probs forward +
+    policy update), on the grouped synthetic batch the benchmark times next to SAO's step."""
+    from sao_megatron.configs import load_config
+    from sao_megatron.trainer.job import JobConfig
+    from tests.conftest import tiny_moe_kwargs
+
+    model = {**tiny_moe_kwargs(), "vocab_size": 300}
+    overrides = [f"model.{k}={v}" for k, v in model.items()] + ["tokenizer.vocab_size=300"]
+    job = load_config(JobConfig, None, overrides)  # SAO job; GRPO takes its default G = 8
+    group = job.algorithm.grpo.group_size
+    assert group == 8
+    policy, _, _, batch = bench.build_trainer(job, parallel_1rank, 16, 16, 4, group_size=group)
+    assert sorted(set(batch.task_ids)) == ["bench0", "bench1"]
+    grpo = bench.build_grpo_step(job, parallel_1rank, policy, 4)
+    assert grpo.algorithm.name == "grpo"
+    pf = bench.trainable_fractions(_named(policy.unwrapped))
+    want = bench.grpo_step_flops(job.model, 16, 16, pf)
+    with FlopCounterMode(display=False) as counter:
+        metrics = grpo.train_step(batch, train_version=0)
+    # GRPO's group statistics are a handful of scalar ops the counter does not see (no matmul)
+    assert counter.get_total_flops() == want
+    assert "time/old_logprobs" in metrics and "time/policy" in metrics
