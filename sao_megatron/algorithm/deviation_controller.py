@@ -33,16 +33,25 @@ band h = `hysteresis` < 1, D0 = the lag-0 tokens' mean |1 - r| (0 when unmeasure
    staleness, which admission controls -> decrease. While eta > min_staleness: with
    ``wait_round_trip`` eta <- clip(floor(eta (h D* - D0) / (D_ema - D0)), min_staleness,
    eta - 1) — the bound whose deviation would sit at h D* if deviation grows linearly with lag
-   (a policy drifting at a steady rate; if it grows slower, the next round trip cuts again) —
-   else eta <- eta - 1. At eta = min_staleness: n_max <- max(floor(beta n_max), min_inflight)
-   (beta = `decrease_factor`; fewer episodes in flight shorten the lag of long episodes).
+   (a policy drifting at a steady rate; if it grows slower, the next round trip cuts again),
+   raised to the largest bound in between whose last measured D_ema was within the target
+   (memory: the linear law over-cuts when the deviation grows faster than linearly with lag)
+   — else eta <- eta - 1. At eta = min_staleness: n_max <- max(floor(beta n_max),
+   min_inflight) (beta = `decrease_factor`; fewer episodes in flight shorten the lag of long
+   episodes).
 2. D_ema > D* but D0 >= D*: tokens sampled by the trained version already deviate (numerics,
    MoE routing): tightening admission cannot help and would only idle the engines -> hold, and
    report it (``controller/limited_by_lag0`` = 1; routing replay or a higher precision are the
    remedies).
 3. D_ema <= D* and the engines were busy less than `busy_threshold` of the step's wall time ->
    increase: n_max <- min(n_max + `increase_step`, max); and if also D_ema < h D* (a dead band
-   against oscillation) eta <- min(eta + 1, max).
+   against oscillation) eta <- min(eta + 1, max), unless that bound broke the target less than
+   B steps ago (probe back-off, with ``wait_round_trip``: B = `probe_backoff` after the first
+   cut from a bound, doubled each time the same bound breaks the target again, up to
+   `probe_backoff_max`; forgotten once that bound holds a round trip). Without it additive
+   increase re-probes the failed bound every few steps and spends a round trip over the target
+   each time; with it the probes thin out exponentially (TCP's retransmission-timer back-off,
+   Karn & Partridge 1987) while a policy that slows down is still found.
 4. Otherwise hold.
 
 A step without a measurement (NaN: no trainable token) changes nothing. Pure: no threads, no
@@ -72,6 +81,8 @@ class DeviationControllerConfig:
     decrease_factor: float = 0.5
     increase_step: int = 1
     wait_round_trip: bool = True
+    probe_backoff: int = 8
+    probe_backoff_max: int = 64
 
     def __post_init__(self) -> None:
         if not 0 < self.target < 1:
@@ -91,6 +102,11 @@ class DeviationControllerConfig:
                 raise ValueError(f"{name}={getattr(self, name)}: must be in (0, 1]")
         if self.increase_step < 1:
             raise ValueError(f"increase_step={self.increase_step}: must be >= 1")
+        if not 0 <= self.probe_backoff <= self.probe_backoff_max:
+            raise ValueError(
+                f"probe_backoff={self.probe_backoff}: must be in [0, probe_backoff_max="
+                f"{self.probe_backoff_max}] steps (0: no back-off)"
+            )
 
 
 class DeviationController:
@@ -99,7 +115,10 @@ class DeviationController:
 
     Attributes: config, max_staleness (eta), max_inflight (n_max), deviation_ema (NaN until
     the first measurement and after a round trip), hold (steps left in the round trip),
-    last_action (-1 decrease, 0 hold, +1 increase), limited_by_lag0.
+    last_action (-1 decrease, 0 hold, +1 increase), limited_by_lag0; the memory of rules 1 and
+    3: deviation_at (eta -> last D_ema measured at that bound), failed_eta (the bound last cut
+    from, None once it holds), backoff (its current back-off, steps), probe_block (steps left
+    before failed_eta may be tried again).
     """
 
     def __init__(self, config: DeviationControllerConfig) -> None:
@@ -110,6 +129,10 @@ class DeviationController:
         self.hold = 0
         self.last_action = 0
         self.limited_by_lag0 = False
+        self.deviation_at: dict[int, float] = {}
+        self.failed_eta: int | None = None
+        self.backoff = 0
+        self.probe_block = 0
 
     def update(
         self, *, deviation: float, deviation_lag0: float = math.nan, busy_fraction: float = 1.0
@@ -125,6 +148,7 @@ class DeviationController:
             self.last_action = 0
             return 0
         before = (self.max_staleness, self.max_inflight)
+        self.probe_block = max(self.probe_block - 1, 0)
         if self.hold > 0:  # rule 0: the batches still come from the old bound
             self.hold -= 1
             if self.hold == 0:
@@ -139,13 +163,23 @@ class DeviationController:
         d, low = self.deviation_ema, c.hysteresis * c.target
         d0 = deviation_lag0 if math.isfinite(deviation_lag0) else 0.0
         eta = self.max_staleness
+        if c.wait_round_trip:
+            self.deviation_at[eta] = d
+            if eta == self.failed_eta and d <= c.target:  # the failed bound holds now
+                self.failed_eta, self.backoff, self.probe_block = None, 0, 0
         if d > c.target:
             if d0 >= c.target:
                 self.limited_by_lag0 = True
             elif eta > c.min_staleness:
                 if c.wait_round_trip:
-                    cut = math.floor(eta * (low - d0) / (d - d0))
-                    self._set_eta(max(c.min_staleness, min(eta - 1, cut)))
+                    cut = max(
+                        c.min_staleness, min(eta - 1, math.floor(eta * (low - d0) / (d - d0)))
+                    )
+                    held = [
+                        e for e in range(cut + 1, eta) if self.deviation_at.get(e, 1) <= c.target
+                    ]
+                    self._back_off(eta)
+                    self._set_eta(max([cut, *held]))
                 else:
                     self.max_staleness = eta - 1
             else:
@@ -157,10 +191,22 @@ class DeviationController:
             self.max_inflight = min(self.max_inflight + c.increase_step, c.max_inflight)
             if d < low and eta < c.max_staleness:
                 if c.wait_round_trip:
-                    self._set_eta(eta + 1)
+                    blocked = self.probe_block > 0 and self.failed_eta is not None
+                    if not (blocked and eta + 1 >= self.failed_eta):
+                        self._set_eta(eta + 1)
                 else:
                     self.max_staleness = eta + 1
         return self._action(before)
+
+    def _back_off(self, eta: int) -> None:
+        """Bound `eta` broke the target: block probes of it for B steps (rule 3), B doubling
+        when the same bound fails again."""
+        c = self.config
+        if eta == self.failed_eta:
+            self.backoff = min(2 * self.backoff, c.probe_backoff_max)
+        else:
+            self.backoff = c.probe_backoff
+        self.failed_eta, self.probe_block = eta, self.backoff
 
     def _set_eta(self, eta: int) -> None:
         """Change eta and wait one round trip (rule 0) for it to reach the trained batches."""
@@ -182,6 +228,7 @@ class DeviationController:
             "controller/action": float(self.last_action),
             "controller/limited_by_lag0": float(self.limited_by_lag0),
             "controller/hold": float(self.hold),
+            "controller/probe_block": float(self.probe_block),
         }
 
     def state_dict(self) -> dict:
@@ -190,6 +237,10 @@ class DeviationController:
             "max_inflight": self.max_inflight,
             "deviation_ema": self.deviation_ema,
             "hold": self.hold,
+            "deviation_at": {str(k): v for k, v in self.deviation_at.items()},
+            "failed_eta": self.failed_eta,
+            "backoff": self.backoff,
+            "probe_block": self.probe_block,
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -197,6 +248,11 @@ class DeviationController:
         self.max_inflight = int(sd["max_inflight"])
         self.deviation_ema = float(sd["deviation_ema"])
         self.hold = int(sd.get("hold", 0))
+        self.deviation_at = {int(k): float(v) for k, v in sd.get("deviation_at", {}).items()}
+        failed = sd.get("failed_eta")
+        self.failed_eta = None if failed is None else int(failed)
+        self.backoff = int(sd.get("backoff", 0))
+        self.probe_block = int(sd.get("probe_block", 0))
 
 
 __all__ = ["DeviationController", "DeviationControllerConfig"]

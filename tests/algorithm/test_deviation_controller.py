@@ -163,7 +163,68 @@ def test_ema_and_missing_measurements():
         "controller/action",
         "controller/limited_by_lag0",
         "controller/hold",
+        "controller/probe_block",
     }
+
+
+class TablePlant:
+    """No delay, deviation by bound: mean |1 - r| at eta is ``table[eta]`` (a policy whose
+    deviation jumps past the target between two bounds, as in the real lr-3e-4 run)."""
+
+    def __init__(self, table: dict[int, float]) -> None:
+        self.table = table
+
+    def drive(self, ctl: DeviationController, steps: int) -> list[int]:
+        etas = []
+        for _ in range(steps):
+            etas.append(ctl.max_staleness)
+            ctl.update(deviation=self.table[ctl.max_staleness], busy_fraction=0.2)
+        return etas
+
+
+def test_cut_goes_to_the_bound_that_held_not_the_linear_law():
+    ctl = _ctl(max_staleness=2)
+    ctl.max_staleness = 1
+    ctl.update(deviation=0.02, busy_fraction=0.2)  # 0.02 < 0.035: probe eta 2
+    assert ctl.max_staleness == 2 and ctl.hold == 2
+    ctl.update(deviation=0.12, busy_fraction=0.2)  # the round trip: old batches
+    ctl.update(deviation=0.12, busy_fraction=0.2)
+    ctl.update(deviation=0.12, busy_fraction=0.2)  # measured at eta 2: cut
+    # the linear law: floor(2 * 0.035 / 0.12) = 0; eta 1 held at 0.02 <= 0.05: back to 1
+    assert (ctl.max_staleness, ctl.last_action) == (1, -1)
+    assert (ctl.failed_eta, ctl.backoff, ctl.probe_block) == (2, 8, 8)
+    assert ctl.deviation_at == {1: 0.02, 2: 0.12}
+
+
+def test_probes_of_a_failed_bound_back_off_exponentially():
+    plant = TablePlant({0: 0.005, 1: 0.02, 2: 0.12})
+    etas = plant.drive(_ctl(max_staleness=2), 120)
+    starts = [i for i in range(1, len(etas)) if etas[i] == 2 and etas[i - 1] == 1]
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    # each failure of eta 2 doubles the wait before the next probe: 8, 16, 32, 64 steps (+ the
+    # round trips); without the back-off the probe recurs every few steps
+    assert len(starts) >= 3 and all(b > a for a, b in zip(gaps, gaps[1:], strict=False))
+    # the first cut (from the start at eta 2, nothing measured below it) follows the linear law
+    # to 0; every later one stops at eta 1, remembered within the target
+    assert etas[:4] == [2, 0, 0, 0] and min(etas[4:]) == 1
+    plain = TablePlant({0: 0.005, 1: 0.02, 2: 0.12}).drive(
+        _ctl(max_staleness=2, probe_backoff=0), 120
+    )
+    over = lambda xs: sum(x == 2 for x in xs)  # noqa: E731 - steps spent at the bad bound
+    assert over(etas) * 3 < over(plain)
+
+
+def test_a_failed_bound_that_holds_later_is_forgotten():
+    ctl = _ctl(max_staleness=2)
+    table = {0: 0.005, 1: 0.02, 2: 0.12}
+    TablePlant(table).drive(ctl, 6)  # fails at eta 2 once
+    assert ctl.failed_eta == 2
+    table[2] = 0.03  # the policy slowed down: eta 2 is within the target now
+    TablePlant(table).drive(ctl, 30)
+    assert ctl.max_staleness == 2 and ctl.failed_eta is None and ctl.backoff == 0
+    other = _ctl(max_staleness=2)
+    other.load_state_dict(ctl.state_dict())
+    assert other.state_dict() == ctl.state_dict()
 
 
 @pytest.mark.parametrize(
@@ -174,6 +235,7 @@ def test_ema_and_missing_measurements():
         ({"min_inflight": 20}, "min_inflight"),
         ({"ema": 0.0}, "ema"),
         ({"increase_step": 0}, "increase_step"),
+        ({"probe_backoff": 100}, "probe_backoff"),
     ],
 )
 def test_config_errors_name_the_field(kw, match):
