@@ -33,12 +33,13 @@ band h = `hysteresis` < 1, D0 = the lag-0 tokens' mean |1 - r| (0 when unmeasure
    staleness, which admission controls -> decrease. While eta > min_staleness: with
    ``wait_round_trip`` eta <- clip(floor(eta (h D* - D0) / (D_ema - D0)), min_staleness,
    eta - 1) — the bound whose deviation would sit at h D* if deviation grows linearly with lag
-   (a policy drifting at a steady rate; if it grows slower, the next round trip cuts again),
-   raised to the largest bound in between whose last measured D_ema was within the target
-   (memory: the linear law over-cuts when the deviation grows faster than linearly with lag)
-   — else eta <- eta - 1. At eta = min_staleness: n_max <- max(floor(beta n_max),
-   min_inflight) (beta = `decrease_factor`; fewer episodes in flight shorten the lag of long
-   episodes).
+   (a policy drifting at a steady rate; if it grows slower, the next round trip cuts again);
+   when the bound that broke the target was a probe (rule 3 had just raised it from eta - 1),
+   the cut goes back to at least eta - 1, which held a round trip before (the linear law
+   over-cuts when the deviation grows faster than linearly with lag, and a failed probe says
+   nothing about the bound below it) — else eta <- eta - 1. At eta = min_staleness:
+   n_max <- max(floor(beta n_max), min_inflight) (beta = `decrease_factor`; fewer episodes in
+   flight shorten the lag of long episodes).
 2. D_ema > D* but D0 >= D*: tokens sampled by the trained version already deviate (numerics,
    MoE routing): tightening admission cannot help and would only idle the engines -> hold, and
    report it (``controller/limited_by_lag0`` = 1; routing replay or a higher precision are the
@@ -116,9 +117,9 @@ class DeviationController:
     Attributes: config, max_staleness (eta), max_inflight (n_max), deviation_ema (NaN until
     the first measurement and after a round trip), hold (steps left in the round trip),
     last_action (-1 decrease, 0 hold, +1 increase), limited_by_lag0; the memory of rules 1 and
-    3: deviation_at (eta -> last D_ema measured at that bound), failed_eta (the bound last cut
-    from, None once it holds), backoff (its current back-off, steps), probe_block (steps left
-    before failed_eta may be tried again).
+    3: probed_from (the bound a probe raised eta from, None once the probe held or failed),
+    failed_eta (the bound last cut from, None once it holds), backoff (its current back-off,
+    steps), probe_block (steps left before failed_eta may be tried again).
     """
 
     def __init__(self, config: DeviationControllerConfig) -> None:
@@ -129,7 +130,7 @@ class DeviationController:
         self.hold = 0
         self.last_action = 0
         self.limited_by_lag0 = False
-        self.deviation_at: dict[int, float] = {}
+        self.probed_from: int | None = None
         self.failed_eta: int | None = None
         self.backoff = 0
         self.probe_block = 0
@@ -163,9 +164,10 @@ class DeviationController:
         d, low = self.deviation_ema, c.hysteresis * c.target
         d0 = deviation_lag0 if math.isfinite(deviation_lag0) else 0.0
         eta = self.max_staleness
-        if c.wait_round_trip:
-            self.deviation_at[eta] = d
-            if eta == self.failed_eta and d <= c.target:  # the failed bound holds now
+        probe = self.probed_from is not None and eta == self.probed_from + 1
+        if d <= c.target:  # this bound holds: a probe of it succeeded, a failure is forgotten
+            self.probed_from = None
+            if eta == self.failed_eta:
                 self.failed_eta, self.backoff, self.probe_block = None, 0, 0
         if d > c.target:
             if d0 >= c.target:
@@ -175,11 +177,9 @@ class DeviationController:
                     cut = max(
                         c.min_staleness, min(eta - 1, math.floor(eta * (low - d0) / (d - d0)))
                     )
-                    held = [
-                        e for e in range(cut + 1, eta) if self.deviation_at.get(e, 1) <= c.target
-                    ]
                     self._back_off(eta)
-                    self._set_eta(max([cut, *held]))
+                    self._set_eta(max(cut, eta - 1) if probe else cut)
+                    self.probed_from = None
                 else:
                     self.max_staleness = eta - 1
             else:
@@ -194,6 +194,7 @@ class DeviationController:
                     blocked = self.probe_block > 0 and self.failed_eta is not None
                     if not (blocked and eta + 1 >= self.failed_eta):
                         self._set_eta(eta + 1)
+                        self.probed_from = eta
                 else:
                     self.max_staleness = eta + 1
         return self._action(before)
@@ -237,7 +238,7 @@ class DeviationController:
             "max_inflight": self.max_inflight,
             "deviation_ema": self.deviation_ema,
             "hold": self.hold,
-            "deviation_at": {str(k): v for k, v in self.deviation_at.items()},
+            "probed_from": self.probed_from,
             "failed_eta": self.failed_eta,
             "backoff": self.backoff,
             "probe_block": self.probe_block,
@@ -248,8 +249,8 @@ class DeviationController:
         self.max_inflight = int(sd["max_inflight"])
         self.deviation_ema = float(sd["deviation_ema"])
         self.hold = int(sd.get("hold", 0))
-        self.deviation_at = {int(k): float(v) for k, v in sd.get("deviation_at", {}).items()}
-        failed = sd.get("failed_eta")
+        probed, failed = sd.get("probed_from"), sd.get("failed_eta")
+        self.probed_from = None if probed is None else int(probed)
         self.failed_eta = None if failed is None else int(failed)
         self.backoff = int(sd.get("backoff", 0))
         self.probe_block = int(sd.get("probe_block", 0))

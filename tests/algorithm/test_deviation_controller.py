@@ -182,18 +182,24 @@ class TablePlant:
         return etas
 
 
-def test_cut_goes_to_the_bound_that_held_not_the_linear_law():
+def test_a_failed_probe_goes_back_to_the_bound_that_held_not_the_linear_law():
     ctl = _ctl(max_staleness=2)
     ctl.max_staleness = 1
     ctl.update(deviation=0.02, busy_fraction=0.2)  # 0.02 < 0.035: probe eta 2
-    assert ctl.max_staleness == 2 and ctl.hold == 2
+    assert (ctl.max_staleness, ctl.hold, ctl.probed_from) == (2, 2, 1)
     ctl.update(deviation=0.12, busy_fraction=0.2)  # the round trip: old batches
     ctl.update(deviation=0.12, busy_fraction=0.2)
     ctl.update(deviation=0.12, busy_fraction=0.2)  # measured at eta 2: cut
     # the linear law: floor(2 * 0.035 / 0.12) = 0; eta 1 held at 0.02 <= 0.05: back to 1
     assert (ctl.max_staleness, ctl.last_action) == (1, -1)
     assert (ctl.failed_eta, ctl.backoff, ctl.probe_block) == (2, 8, 8)
-    assert ctl.deviation_at == {1: 0.02, 2: 0.12}
+    assert ctl.probed_from is None
+    # a failure that is not a probe (the policy speeds up at a bound that held) follows the law
+    for _ in range(3):
+        ctl.update(deviation=0.02, busy_fraction=1.0)  # busy engines: no probe, eta stays 1
+    assert ctl.max_staleness == 1 and ctl.probed_from is None
+    ctl.update(deviation=0.2, busy_fraction=1.0)
+    assert ctl.max_staleness == 0  # floor(1 * 0.035 / 0.2) = 0
 
 
 def test_probes_of_a_failed_bound_back_off_exponentially():
@@ -204,8 +210,8 @@ def test_probes_of_a_failed_bound_back_off_exponentially():
     # each failure of eta 2 doubles the wait before the next probe: 8, 16, 32, 64 steps (+ the
     # round trips); without the back-off the probe recurs every few steps
     assert len(starts) >= 3 and all(b > a for a, b in zip(gaps, gaps[1:], strict=False))
-    # the first cut (from the start at eta 2, nothing measured below it) follows the linear law
-    # to 0; every later one stops at eta 1, remembered within the target
+    # the first cut (from the start at eta 2: not a probe) follows the linear law to 0; every
+    # later one is a failed probe of eta 2 and goes back to eta 1
     assert etas[:4] == [2, 0, 0, 0] and min(etas[4:]) == 1
     plain = TablePlant({0: 0.005, 1: 0.02, 2: 0.12}).drive(
         _ctl(max_staleness=2, probe_backoff=0), 120
