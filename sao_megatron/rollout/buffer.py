@@ -201,6 +201,13 @@ class StalenessBuffer:
         try:
             with self._cond:
                 self.train_version = max(self.train_version, train_version)
+                if self._last_batch_version == train_version:
+                    # the last batch was consumed without a version change: free its capacity
+                    # now, before waiting (after the wait, eta = 0 would deadlock: the batch
+                    # asked for could never be started)
+                    self._extra_capacity += self.batch_size
+                    self._last_batch_version = None  # credited once
+                    self._cond.notify_all()
                 while True:
                     stale += self._drop_stale()
                     self._seal()
@@ -217,8 +224,6 @@ class StalenessBuffer:
                         )
                     self._cond.wait(left if left is None else min(left, 1.0))
                 trajs = [t for g in batch for t in g]
-                if self._last_batch_version == train_version:
-                    self._extra_capacity += self.batch_size
                 self._last_batch_version = train_version
                 lags = [self.train_version - t.min_policy_version for t in trajs]
                 self.stats["num_consumed"] += len(trajs)
