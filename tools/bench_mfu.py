@@ -610,6 +610,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--skip-trainer", action="store_true", help="only the roofline")
     ap.add_argument(
+        "--count-targets-forward",
+        action="store_true",
+        help="count the no-grad value forward before the value updates (the SAO step of code "
+        "before issue 16 ran it at every lam_value; timing that code, pass this)",
+    )
+    ap.add_argument(
         "--no-grpo",
         action="store_true",
         help="do not time a GRPO step (PPO-clip, groups of algorithm.grpo.group_size rows) "
@@ -718,7 +724,8 @@ def _trainer_section(job, args, mbs: int, res: dict) -> dict:
     )
     vf = trainable_fractions([(n, p) for c in value.unwrapped for n, p in c.named_parameters()])
     k = job.algorithm.sao.value_updates_per_policy_update
-    targets_fwd = job.algorithm.sao.lam_value != 1.0  # synthetic rows: none truncated
+    # synthetic rows: none truncated, so only lam_value != 1 needs the targets forward
+    targets_fwd = job.algorithm.sao.lam_value != 1.0 or args.count_targets_forward
     fl = step_flops(job.model, args.rows, args.seq_len, k, pf, vf, targets_fwd)
     fl["value_step"] = fl["value_phase"]
     fl["grpo_step"] = grpo_step_flops(job.model, args.rows, args.seq_len, pf)
