@@ -74,8 +74,10 @@ class StalenessBuffer:
         self.group_size = group_size
         self.max_staleness = max_staleness
         # the bound admission uses (<= max_staleness; lowered by the deviation controller,
-        # sao_megatron.algorithm.deviation_controller); the hand-off keeps max_staleness
+        # sao_megatron.algorithm.deviation_controller) and the hand-off's (max_staleness unless
+        # the controller's bound applies to admitted data too, rollout.deviation_bound_trained)
         self.admission_staleness = max_staleness
+        self.hand_off_staleness = max_staleness
         self.on_stale = on_stale
         self._cond = threading.Condition()
         self._filling: list[Group] = []
@@ -114,11 +116,13 @@ class StalenessBuffer:
             cap += self._extra_capacity
             return self._num_started + self.group_size <= cap
 
-    def set_admission_staleness(self, eta: int) -> None:
-        """Admit new groups under bound `eta` (clamped to [0, max_staleness]) from now on;
-        trajectories already admitted keep the hand-off bound max_staleness."""
+    def set_admission_staleness(self, eta: int, hand_off: bool = False) -> None:
+        """Admit new groups under bound `eta` (clamped to [0, max_staleness]) from now on.
+        With `hand_off` the same bound applies to the groups already admitted (those whose
+        newest token it leaves behind are dropped, `is_stale`); else they keep max_staleness."""
         with self._cond:
             self.admission_staleness = max(0, min(int(eta), self.max_staleness))
+            self.hand_off_staleness = self.admission_staleness if hand_off else self.max_staleness
             self._cond.notify_all()
 
     def mark_started(self) -> None:
@@ -136,7 +140,7 @@ class StalenessBuffer:
         """True if a token of version `max_policy_version` (and every older one) is beyond the
         bound at the current train version: data whose newest token is this old has nothing
         left to train."""
-        return self.train_version - max_policy_version > self.max_staleness
+        return self.train_version - max_policy_version > self.hand_off_staleness
 
     # ----------------------------------------------------------------- producer side
     def put_group(self, group: Group) -> None:
@@ -231,7 +235,7 @@ class StalenessBuffer:
                 self.stats["last_lag_mean"] = sum(lags) / len(lags)
                 self.stats["last_lag_max"] = max(lags)
                 self.stats["last_stale_token_fraction"] = _stale_fraction(
-                    trajs, self.train_version, self.max_staleness
+                    trajs, self.train_version, self.hand_off_staleness
                 )
                 return trajs
         finally:

@@ -65,6 +65,12 @@ class RolloutConfig:
             fresh data under by adapting the staleness bound and the episodes in flight
             (`sao_megatron.algorithm.deviation_controller`; SAO's design target 0.05).
         max_staleness is then the controller's ceiling.
+        deviation_bound_trained: with ``deviation_target``, the controller's bound also applies
+            to the data already admitted: groups whose newest token is older than it are
+            dropped at hand-off and older tokens leave the loss (true, the default: a cut holds
+            the trained tokens' deviation at once, at the cost of the dropped rollouts,
+            ``rollout/stale_dropped``); false: only admission follows it, and the queued batches
+            keep max_staleness until they drain (about eta steps over the target per cut).
     Run-time inputs are arguments of `RolloutManager` / `EngineProcess`, not fields: the model
     the local engines load (``model_path``; in a job the exported policy, run_dir/hf_policy),
     the folder for engine logs and weight slots (``run_dir``; in a job run_dir/rollout) and the
@@ -123,6 +129,7 @@ class RolloutConfig:
     record_routing: bool = False
     routing_replay: bool = False
     deviation_target: float | None = None
+    deviation_bound_trained: bool = True
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> ValueError:

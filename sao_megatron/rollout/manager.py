@@ -348,7 +348,9 @@ class RolloutManager:
             ),
             busy_fraction=out.get("rollout/busy_fraction", 0.0),
         )
-        self.buffer.set_admission_staleness(self.controller.max_staleness)
+        self.buffer.set_admission_staleness(
+            self.controller.max_staleness, hand_off=self.config.deviation_bound_trained
+        )
         self.max_inflight = self.controller.max_inflight
         self._poke()
         return self.controller.metrics() | out

@@ -545,12 +545,15 @@ class Controller:
                 with timer.phase("rollout"):
                     batch = self._next_batch(rl.rollout, run.policy_version)
                 reset_peak_memory()  # memory/peak_* below = this update's peak
+                bound = self._trained_bound(rl.rollout)
                 with timer.phase("train"):
-                    update = step_fn.start(batch, train_version=run.policy_version)
+                    update = step_fn.start(batch, run.policy_version, max_staleness=bound)
                     # SAO: value targets, value update x K, advantages, policy update
                     for phase in self.algorithm.schedule:
                         step_fn.run(phase, update)
                     m = broadcast_from_last_stage(step_fn.finish(update), self.parallel)
+                if bound is not None:
+                    m["deviation/token_bound"] = float(bound)  # this batch's per-token bound
                 if rl.rollout is not None:  # the deviation controller (rollout.deviation_target)
                     m |= rl.rollout.observe_step(m)
                 mem = peak_memory_gib()
@@ -584,6 +587,15 @@ class Controller:
                     ckpt = rl.checkpoints.save_dir / step_dir_name(run.step)
                     raise signals.StoppedBySignal(run.step, ckpt)
         return m
+
+    def _trained_bound(self, rollout) -> int | None:
+        """The deviation controller's bound for the trained tokens of this batch (the buffer's
+        hand-off bound, broadcast from rank 0), or None without a controller."""
+        r = self.job.rollout
+        if r.deviation_target is None or not r.deviation_bound_trained:
+            return None
+        bound = rollout.buffer.hand_off_staleness if rollout is not None else None
+        return broadcast_from_rank0(bound)
 
     def _finish_rl(self, rl: RLParts, m: dict[str, float]) -> None:
         """Export the final policy, evaluate it and fill the summary."""

@@ -63,6 +63,7 @@ STANDARD_METRICS: dict[str, str] = {
     "rollout/busy_fraction": "engines' busy fraction of this step's wall time, 0..1",
     "controller/max_staleness": "deviation controller's admission bound eta (versions)",
     "controller/max_inflight": "deviation controller's episodes-in-flight bound",
+    "deviation/token_bound": "per-token staleness bound of this batch (the controller's eta)",
     "time/rollout": "s per step waiting for trajectories",
     "time/value": "s per step in the value phases (value targets + K value updates)",
     "time/old_logprobs": "s per step recomputing the old log-probs (GRPO)",

@@ -165,8 +165,17 @@ class RLStep:
         critic = self._value_model("value_fit")
         return critic.fit(self.start(batch, train_version=0))
 
-    def start(self, batch: TrainBatch, train_version: int) -> StepState:
-        """This DP rank's share of `batch` and the global loss denominators."""
+    def start(
+        self, batch: TrainBatch, train_version: int, max_staleness: int | None = None
+    ) -> StepState:
+        """This DP rank's share of `batch` and the global loss denominators.
+
+        `max_staleness`: a tighter per-token bound for this batch than ``StepConfig``'s (the
+        deviation controller's, ``rollout.deviation_bound_trained``); None: the configured one.
+        """
+        bound = self.cfg.max_staleness
+        if max_staleness is not None:
+            bound = max_staleness if bound is None else min(bound, max_staleness)
         ctx = self._ctx
         b, n_real = shard_batch(
             batch,
@@ -180,7 +189,7 @@ class RLStep:
             train_version=train_version,
             num_tokens=ctx.dp_sum(int(pred(b.action_mask).sum())),
             num_sequences=ctx.dp_sum(int((b.action_mask.sum(1) > 0).sum())),
-            stale=stale_tokens(b, train_version, self.cfg.max_staleness),
+            stale=stale_tokens(b, train_version, bound),
         )
         state.metrics |= batch_metrics(state, ctx)
         return state

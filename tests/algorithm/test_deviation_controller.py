@@ -264,7 +264,38 @@ def test_manager_applies_the_bounds_to_admission(tmp_path):
     out = m.observe_step({"deviation/abs_one_minus_ratio_mean": 0.06})
     # floor(3 * (0.035 - 0) / (0.06 - 0)) = 1 (no lag-0 tokens measured: D0 = 0)
     assert out["controller/max_staleness"] == 1.0 and out["controller/action"] == -1.0
-    assert m.buffer.admission_staleness == 1 and m.buffer.max_staleness == 3  # hand-off keeps 3
+    assert m.buffer.admission_staleness == 1 and m.buffer.max_staleness == 3
+    # rollout.deviation_bound_trained (default): the admitted data is held to the bound too
+    assert m.buffer.hand_off_staleness == 1
     m.buffer.set_train_version(2)  # engines 2 versions behind: admitted at 3, not at 1
     assert not m.buffer.can_start(engine_version=0)
     assert "rollout/busy_fraction" not in out  # not started: no engines to measure
+
+    cfg = RolloutConfig(
+        deviation_target=0.05, max_staleness=3, max_concurrent_episodes=8,
+        deviation_bound_trained=False,
+    )  # fmt: skip
+    m = RolloutManager(cfg, make_formatter(), [], run_dir=tmp_path, group_size=2)
+    m.observe_step({"deviation/abs_one_minus_ratio_mean": 0.06})
+    assert m.buffer.admission_staleness == 1 and m.buffer.hand_off_staleness == 3
+
+
+def test_hand_off_bound_drops_what_it_leaves_behind():
+    from sao_megatron.rollout.buffer import StalenessBuffer
+    from tests.rollout.test_units import traj
+
+    def buffer_with(eta_hand_off):
+        buf = StalenessBuffer(trajectories_per_batch=2, max_staleness=3)
+        for i, v in enumerate([0, 2]):  # newest tokens at versions 0 and 2
+            buf.mark_started()
+            buf.put_group([traj(f"t{i}", [v])])
+        buf.set_admission_staleness(1, hand_off=eta_hand_off)
+        return buf
+
+    kept = buffer_with(False)
+    kept.set_train_version(3)  # lags 3 and 1: both within max_staleness 3
+    assert kept.num_ready() == 2 and kept.stats["num_stale_dropped"] == 0
+    held = buffer_with(True)
+    held.set_train_version(3)  # lag 3 > 1: dropped (its capacity freed), lag 1 kept
+    assert held.num_ready() == 1 and held.stats["num_stale_dropped"] == 1
+    assert held.num_started() == 1

@@ -69,3 +69,28 @@ def test_without_a_bound_old_tokens_train(tiny_moe, parallel_1rank):
     assert m["deviation/stale_token_fraction"] == 0.0
     assert m["grad_norm/policy"] > 0.0
     assert torch.isfinite(torch.tensor(m["loss/policy"]))
+
+
+def test_a_per_batch_bound_tightens_the_configured_one(tiny_moe, parallel_1rank):
+    """The deviation controller's bound (`RLStep.start(..., max_staleness=eta)`) masks tokens
+    the configured bound would train, and never loosens it."""
+    step = _grpo_step(tiny_moe, parallel_1rank, max_staleness=3)
+    trajs = _random_trajectories(4, 3, group_size=2)
+    _with_policy_behaviour(step.policy.model, parallel_1rank, trajs, noise=0.3)
+    batch = _versions(trajs, {"t0", "t1"}, old=3, new=5)  # train version 5: lag 2 vs lag 0
+    lagged = sum(t.num_action_tokens for t in trajs if t.task_id in {"t0", "t1"})
+
+    def stale_fraction(bound):
+        state = step.start(batch, 5, max_staleness=bound)
+        return float(state.stale.sum()) / batch.num_action_tokens
+
+    assert stale_fraction(None) == 0.0  # lag 2 <= 3
+    assert stale_fraction(1) == lagged / batch.num_action_tokens
+    assert stale_fraction(0) == lagged / batch.num_action_tokens
+    assert stale_fraction(10) == 0.0  # min(3, 10): a per-batch bound never loosens
+    state = step.start(batch, 5, max_staleness=1)
+    for phase in step.algorithm.schedule:
+        step.run(phase, state)
+    m = step.finish(state)
+    assert m["deviation/stale_token_fraction"] == lagged / batch.num_action_tokens
+    assert m["deviation/version_lag_max"] == 0.0
