@@ -28,7 +28,10 @@ band h = `hysteresis` < 1, D0 = the lag-0 tokens' mean |1 - r| (0 when unmeasure
 0. Round trip (``wait_round_trip``): for `hold` steps after a change of eta (the larger of the
    old and the new bound, at least 1) the measurements describe episodes admitted under the old
    bound: eta and the decreases wait, only n_max may grow (rule 3 with D for D_ema); when the
-   hold ends D_ema restarts from the next measurement.
+   hold ends D_ema restarts from the next measurement. With ``immediate_cut`` (the bound also
+   applies to the data already admitted, ``rollout.deviation_bound_trained``) a cut reaches the
+   very next batch: no hold, D_ema restarts from the next step's measurement; after an increase
+   the hold stays a round trip (the looser bound shows only as new episodes age).
 1. D_ema > D*, and the lag-0 tokens alone are under the target (D0 < D*): the excess comes from
    staleness, which admission controls -> decrease. While eta > min_staleness: with
    ``wait_round_trip`` eta <- clip(floor(eta (h D* - D0) / (D_ema - D0)), min_staleness,
@@ -84,6 +87,7 @@ class DeviationControllerConfig:
     wait_round_trip: bool = True
     probe_backoff: int = 8
     probe_backoff_max: int = 64
+    immediate_cut: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.target < 1:
@@ -210,8 +214,13 @@ class DeviationController:
         self.failed_eta, self.probe_block = eta, self.backoff
 
     def _set_eta(self, eta: int) -> None:
-        """Change eta and wait one round trip (rule 0) for it to reach the trained batches."""
-        self.hold = max(self.max_staleness, eta, 1)
+        """Change eta and wait one round trip (rule 0) for it to reach the trained batches; after
+        a cut with ``immediate_cut`` (the bound holds the admitted data too) the next batch
+        already obeys it: no hold, the average restarts from the next measurement."""
+        if eta < self.max_staleness and self.config.immediate_cut:
+            self.hold, self.deviation_ema = 0, math.nan
+        else:
+            self.hold = max(self.max_staleness, eta, 1)
         self.max_staleness = eta
 
     def _action(self, before: tuple[int, int]) -> int:

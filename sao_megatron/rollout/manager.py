@@ -193,6 +193,7 @@ class RolloutManager:
                     max_staleness=config.max_staleness,
                     max_inflight=max(config.max_concurrent_episodes, group_size),
                     min_inflight=group_size,
+                    immediate_cut=config.deviation_bound_trained,
                 )
             )
         self._busy_mark: tuple[float, float] | None = None  # (wall, busy engine-seconds)

@@ -99,6 +99,21 @@ def test_cut_is_proportional_to_the_excess():
     assert ctl.deviation_ema == 0.02 and ctl.max_staleness == 1
 
 
+def test_an_immediate_cut_does_not_wait_a_round_trip():
+    """With the bound applied to admitted data (rollout.deviation_bound_trained) the next batch
+    already obeys a cut, so the controller measures it at once and may cut again."""
+    ctl = _ctl(immediate_cut=True)
+    ctl.update(deviation=0.125, deviation_lag0=0.005, busy_fraction=1.0)
+    # floor(1.5) = 1, as without; no hold (6 steps without) and a fresh average
+    assert (ctl.max_staleness, ctl.hold) == (1, 0) and math.isnan(ctl.deviation_ema)
+    ctl.update(deviation=0.08, deviation_lag0=0.005, busy_fraction=1.0)  # the next batch, eta 1
+    assert (ctl.max_staleness, ctl.last_action) == (0, -1)
+    ctl.max_staleness, ctl.hold = 1, 0
+    ctl.update(deviation=0.001, busy_fraction=0.2)  # an increase still waits a round trip
+    assert (ctl.max_staleness, ctl.hold) == (2, 2)
+    assert ctl.metrics()["controller/max_staleness"] == 2.0
+
+
 def test_cuts_episodes_in_flight_only_at_the_staleness_floor():
     ctl = _ctl(max_staleness=1)
     expected = [(0, 16), (0, 16), (0, 8), (0, 8), (0, 4), (0, 4), (0, 2), (0, 2), (0, 1)]
@@ -266,7 +281,7 @@ def test_manager_applies_the_bounds_to_admission(tmp_path):
     assert out["controller/max_staleness"] == 1.0 and out["controller/action"] == -1.0
     assert m.buffer.admission_staleness == 1 and m.buffer.max_staleness == 3
     # rollout.deviation_bound_trained (default): the admitted data is held to the bound too
-    assert m.buffer.hand_off_staleness == 1
+    assert m.buffer.hand_off_staleness == 1 and m.controller.config.immediate_cut
     m.buffer.set_train_version(2)  # engines 2 versions behind: admitted at 3, not at 1
     assert not m.buffer.can_start(engine_version=0)
     assert "rollout/busy_fraction" not in out  # not started: no engines to measure
@@ -276,6 +291,7 @@ def test_manager_applies_the_bounds_to_admission(tmp_path):
         deviation_bound_trained=False,
     )  # fmt: skip
     m = RolloutManager(cfg, make_formatter(), [], run_dir=tmp_path, group_size=2)
+    assert not m.controller.config.immediate_cut
     m.observe_step({"deviation/abs_one_minus_ratio_mean": 0.06})
     assert m.buffer.admission_staleness == 1 and m.buffer.hand_off_staleness == 3
 
