@@ -1,0 +1,168 @@
+"""Critic placement ``separate`` (`sao_megatron.trainer.critic_placement`): the value model on its
+own gloo ranks, pipelined with the policy, gives the colocated step's numbers bit for bit.
+
+Bit for bit because the arithmetic is the same: each role runs the same phases of the same
+`RLStep` code on the same DP shard (DP sizes equal in both roles), with single-rank model-parallel
+groups, and the advantages travel as the float32 tensor itself (`torch.save` bytes). Torch runs
+on one thread in every process (the launcher's and the reference's), so CPU kernels also reduce
+in the same order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sao_megatron.algorithm import registry
+from sao_megatron.algorithm.config import AlgorithmConfig
+from sao_megatron.parallel import ParallelConfig
+from sao_megatron.parallel.roles import check_separate_layout
+from tests.conftest import launch
+from tests.trainer import critic_placement_worker as worker
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def _assert_same_metrics(got: dict, want: dict) -> None:
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    differ = [k for k in want if not k.startswith("time/") and not _same(got[k], want[k])]
+    assert not differ, {k: (got[k], want[k]) for k in differ}
+
+
+def _assert_same_tensors(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    differ = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not differ, differ
+
+
+@pytest.fixture
+def reference(parallel_1rank, tmp_path):
+    """The colocated run on 1 rank (one torch thread, like the spawned ranks) and the batches
+    it trained on (written to tmp_path/batches.pt for the separate run)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        p_state, _ = worker.build(parallel_1rank, "policy")
+        batches = worker.make_batches(p_state, parallel_1rank)
+        torch.save(batches, tmp_path / "batches.pt")
+        from megatron.core import parallel_state as ps
+
+        from sao_megatron.parallel import destroy_parallel, initialize_parallel
+
+        destroy_parallel()  # the same seeded init as the spawned ranks for the models trained
+        assert not ps.model_parallel_is_initialized()
+        parallel = initialize_parallel(ParallelConfig())
+        yield worker.colocated(parallel, batches)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.distributed
+def test_separate_critic_equals_colocated_and_overlaps(reference, tmp_path):
+    """Rank 0 trains the policy, rank 1 the critic, 3 SAO steps (K = 2): policy loss, value
+    losses, every metric, the advantages and the final policy and value weights equal the
+    colocated run's bit for bit; and with the gate on, the policy update of step n waits for the
+    critic to have started step n + 1, so the two overlap (no wall-clock threshold: a critic that
+    waited for the policy would never release the gate)."""
+    (tmp_path / "gate").touch()
+    launch(worker.separate_worker, 2, str(tmp_path))
+    policy = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    critic = torch.load(tmp_path / "rank1.pt", weights_only=False)
+    assert (policy["role"], critic["role"]) == ("policy", "value")
+    assert len(policy["metrics"]) == worker.NUM_STEPS
+    for n in range(worker.NUM_STEPS):
+        want = reference["metrics"][n]
+        _assert_same_metrics(policy["metrics"][n], want)
+        # the value side's own metrics are the colocated ones, without the policy's
+        value_side = {k: v for k, v in want.items() if k in critic["metrics"][n]}
+        _assert_same_metrics(critic["metrics"][n], value_side)
+        assert "loss/value" in critic["metrics"][n] and "loss/policy" not in critic["metrics"][n]
+        assert torch.equal(policy["advantages"][n], reference["advantages"][n])
+        assert torch.equal(critic["advantages"][n], reference["advantages"][n])
+        assert reference["advantages"][n].abs().sum() > 0
+        for k in ("loss/policy", "value/loss_0", "value/loss_1"):
+            assert math.isfinite(want[k]), k
+    _assert_same_tensors(policy["policy"], reference["policy"])
+    _assert_same_tensors(critic["value"], reference["value"])
+    # the weights moved: the comparison is not between two untrained models
+    for name in ("policy", "value"):
+        start, end = reference[f"initial_{name}"], reference[name]
+        assert any(not torch.equal(start[k], end[k]) for k in end), name
+    # overlap: the critic started step n + 1 before the policy finished step n
+    t = {(e, n): ts for e, n, ts in policy["events"] + critic["events"]}
+    for n in range(worker.NUM_STEPS - 1):
+        assert t[("value_start", n + 1)] < t[("policy_end", n)], n
+        assert t[("value_start", n + 1)] < t[("policy_start_released", n)], n
+
+
+@pytest.mark.distributed
+def test_separate_critic_with_data_parallel_roles(tmp_path, parallel_1rank):
+    """4 ranks, 2 policy + 2 value (DP = 2 in each role) against the colocated run at DP = 2 on
+    2 ranks: the same metrics on every rank, the same advantages per DP rank, the same final
+    weights, bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        p_state, _ = worker.build(parallel_1rank, "policy")
+        torch.save(worker.make_batches(p_state, parallel_1rank), tmp_path / "batches.pt")
+    finally:
+        torch.set_num_threads(threads)
+    launch(worker.colocated_worker, 2, str(tmp_path))
+    launch(worker.separate_worker, 4, str(tmp_path))
+    for i in range(2):
+        ref = torch.load(tmp_path / f"colocated{i}.pt", weights_only=False)
+        pol = torch.load(tmp_path / f"rank{i}.pt", weights_only=False)
+        val = torch.load(tmp_path / f"rank{2 + i}.pt", weights_only=False)
+        assert (pol["role"], val["role"]) == ("policy", "value")
+        for n in range(worker.NUM_STEPS):
+            _assert_same_metrics(pol["metrics"][n], ref["metrics"][n])
+            assert torch.equal(pol["advantages"][n], ref["advantages"][n]), (i, n)
+            assert torch.equal(val["advantages"][n], ref["advantages"][n]), (i, n)
+        _assert_same_tensors(pol["policy"], ref["policy"])
+        _assert_same_tensors(val["value"], ref["value"])
+
+
+# ------------------------------------------------------------------ validation (no ranks)
+@pytest.mark.parametrize(
+    "kwargs, world, field",
+    [
+        ({"tp": 2}, 4, "parallel.tp=2"),
+        ({"pp": 2}, 4, "parallel.pp=2"),
+        ({"ep": 2}, 4, "parallel.ep=2"),
+        ({}, 3, "world size 3"),
+        ({}, 1, "world size 1"),
+    ],
+)
+def test_separate_layout_rejects_what_it_does_not_support(kwargs, world, field):
+    with pytest.raises(ValueError, match="value.placement") as err:
+        check_separate_layout(world, ParallelConfig(**kwargs))
+    assert field in str(err.value)
+    check_separate_layout(2, ParallelConfig())  # the supported layout passes
+    check_separate_layout(8, ParallelConfig())
+
+
+def test_separate_critic_needs_a_value_model(parallel_1rank):
+    from sao_megatron.algorithm.config import GRPOConfig
+    from sao_megatron.trainer.rl_step import RLStep, StepConfig
+
+    grpo = registry.build(AlgorithmConfig(name="grpo", grpo=GRPOConfig(group_size=2)))
+    with pytest.raises(ValueError, match="value.placement=separate.*no value model"):
+        RLStep(grpo, parallel_1rank, None, None, StepConfig(), separate_critic=True)
+    p_state, v_state = worker.build(parallel_1rank, None)
+    sao = worker.algorithm()
+    with pytest.raises(ValueError, match="exactly one"):
+        RLStep(sao, parallel_1rank, p_state, v_state, StepConfig(), separate_critic=True)
+    with pytest.raises(ValueError, match="policy=None only with separate_critic"):
+        RLStep(sao, parallel_1rank, None, v_state, StepConfig())
+    # a value-rank step runs the value phases and ADVANTAGES, not the policy's
+    step = RLStep(sao, parallel_1rank, None, v_state, StepConfig(), separate_critic=True)
+    batch = worker.make_batches(p_state, parallel_1rank)[0]
+    state = step.start(batch, 0)
+    with pytest.raises(ValueError, match="POLICY_UPDATE runs on the other ranks"):
+        from sao_megatron.algorithm.base import Phase
+
+        step.run(Phase.POLICY_UPDATE, state)
