@@ -12,7 +12,9 @@ and scaling (``dp``, ``dp_cp``, ``intra_dp_cp``, ``expt_dp``, ``intra_expt_dp`` 
 ``ProcessGroupCollection.setup_process_groups_for_ddp``), the optimiser and distributed optimiser
 (``dp_cp``, ``intra_dp_cp``, ``intra_expt_dp``, ``intra_dist_opt`` through
 ``setup_process_groups_for_optimizer``; gradient clipping reduces over ``mp`` /
-``expt_tp_pp``, one rank here), and our own code (`StepContext.dp_sum`, `shard_batch`: ``dp``).
+``expt_tp_pp``, one rank here), and our own code (`StepContext.dp_sum`, `shard_batch`: ``dp``;
+`StepContext.world_sum`, the routing-replay counts: ``ParallelState.model_group``, set to the
+role's ranks).
 Megatron's global ``parallel_state`` data-parallel group (the whole world) is read only where
 the schedule's ``finalize_model_grads`` all-reduces a token count, which it does only with
 ``calculate_per_token_loss`` (never set by this project).
@@ -113,7 +115,9 @@ def split_roles(parallel: ParallelState) -> RoleLayout:
             setattr(pgc, name, groups[role])
     if hasattr(pgc, "inter_dist_opt"):  # one distributed-optimiser instance per role
         delattr(pgc, "inter_dist_opt")
-    mine = dataclasses.replace(parallel, dp=half, dp_rank=index, pg_collection=pgc)
+    mine = dataclasses.replace(
+        parallel, dp=half, dp_rank=index, pg_collection=pgc, model_group=groups[role]
+    )
     other = VALUE if role == POLICY else POLICY
     return RoleLayout(
         role=role,

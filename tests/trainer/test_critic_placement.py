@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from sao_megatron.algorithm import registry
+from sao_megatron.algorithm.base import Phase
 from sao_megatron.algorithm.config import AlgorithmConfig
 from sao_megatron.parallel import ParallelConfig
 from sao_megatron.parallel.roles import check_separate_layout
@@ -56,7 +57,7 @@ def reference(parallel_1rank, tmp_path):
         destroy_parallel()  # the same seeded init as the spawned ranks for the models trained
         assert not ps.model_parallel_is_initialized()
         parallel = initialize_parallel(ParallelConfig())
-        yield worker.colocated(parallel, batches)
+        yield worker.colocated(parallel, batches) | {"batches_path": tmp_path / "batches.pt"}
     finally:
         torch.set_num_threads(threads)
 
@@ -97,6 +98,49 @@ def test_separate_critic_equals_colocated_and_overlaps(reference, tmp_path):
     for n in range(worker.NUM_STEPS - 1):
         assert t[("value_start", n + 1)] < t[("policy_end", n)], n
         assert t[("value_start", n + 1)] < t[("policy_start_released", n)], n
+
+
+def test_value_and_policy_halves_pipelined_equal_colocated_in_one_process(reference):
+    """The phase split without ranks: a value-only and a policy-only `RLStep`
+    (separate_critic=True) on one process, run in the pipelined order (the critic's batch n+1
+    before the policy's batch n), the advantages handed over directly: the colocated numbers
+    bit for bit (what the 2-rank test adds is the transport)."""
+    from sao_megatron.parallel import destroy_parallel, initialize_parallel
+    from sao_megatron.trainer.rl_step import RLStep
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        destroy_parallel()
+        parallel = initialize_parallel(ParallelConfig())
+        batches = torch.load(reference["batches_path"], weights_only=False)
+        p_state, v_state = worker.build(parallel, None)
+        algo, cfg = worker.algorithm(), worker.step_config()
+        critic = RLStep(algo, parallel, None, v_state, cfg, separate_critic=True)
+        actor = RLStep(algo, parallel, p_state, None, cfg, separate_critic=True)
+        value_side = []
+
+        def critic_step(n):
+            state = critic.start(batches[n], n)
+            for phase in algo.schedule:
+                if phase is not Phase.POLICY_UPDATE:
+                    critic.run(phase, state)
+            value_side.append(critic.finish(state) | {"adv": state.advantages})
+
+        critic_step(0)
+        for n in range(worker.NUM_STEPS):
+            if n + 1 < worker.NUM_STEPS:
+                critic_step(n + 1)  # before the policy's step n
+            state = actor.start(batches[n], n)
+            state.advantages = value_side[n]["adv"]
+            state.metrics |= {k: v for k, v in value_side[n].items() if k != "adv"}
+            actor.run(Phase.POLICY_UPDATE, state)
+            _assert_same_metrics(actor.finish(state), reference["metrics"][n])
+            assert torch.equal(state.advantages, reference["advantages"][n])
+        _assert_same_tensors(worker.params(p_state), reference["policy"])
+        _assert_same_tensors(worker.params(v_state), reference["value"])
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.distributed
@@ -163,6 +207,25 @@ def test_separate_critic_needs_a_value_model(parallel_1rank):
     batch = worker.make_batches(p_state, parallel_1rank)[0]
     state = step.start(batch, 0)
     with pytest.raises(ValueError, match="POLICY_UPDATE runs on the other ranks"):
-        from sao_megatron.algorithm.base import Phase
-
         step.run(Phase.POLICY_UPDATE, state)
+
+
+def test_value_placement_config():
+    from sao_megatron.configs import load_config
+    from sao_megatron.trainer.controller import Controller
+    from sao_megatron.trainer.job import JobConfig
+
+    assert load_config(JobConfig, None).value.placement == "colocated"
+    job = load_config(JobConfig, None, ["value.placement=separate"])
+    assert job.value.placement == "separate"
+    with pytest.raises(ValueError, match="value.placement='sideways'"):
+        load_config(JobConfig, None, ["value.placement=sideways"])
+    with pytest.raises(ValueError, match="value.placement=separate but algorithm.name='grpo'"):
+        load_config(
+            JobConfig,
+            None,
+            ["value.placement=separate", "algorithm.name=grpo", "stages=[sft,rl]"],
+        )
+    # the job does not run a separate critic yet: rejected before anything starts
+    with pytest.raises(ValueError, match="value.placement=separate is available at the RLStep"):
+        Controller(job, parallel=None)
