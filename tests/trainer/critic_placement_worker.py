@@ -151,6 +151,7 @@ def separate_worker(rank: int, world_size: int, out_dir: str) -> None:
             advantages.append(step.last_state.advantages.clone())
         step.flush()
         out = {"role": role, "metrics": metrics, "events": events}
+        out["exchange_s"] = _exchange_seconds(step.channel, role)
         if role == "policy":
             out["policy"] = params(p_state)
         else:
@@ -171,3 +172,27 @@ def colocated_worker(rank: int, world_size: int, out_dir: str) -> None:
         torch.save(colocated(parallel, batches), f"{out_dir}/colocated{rank}.pt")
     finally:
         destroy_parallel()
+
+
+def _exchange_seconds(channel, role: str, reps: int = 20) -> float:
+    """Median one-way time of a step's message (advantages [16, 256] float32 + 40 metrics)
+    between the paired ranks: half a ping-pong round trip, timed on the policy rank."""
+    msg = {
+        "kind": "train",
+        "index": 0,
+        "advantages": torch.zeros(16, 256),
+        "metrics": {f"value/m{i}": float(i) for i in range(40)},
+    }
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        if role == "policy":
+            channel.isend(msg)
+            channel.wait()
+            channel.recv()
+        else:
+            channel.recv()
+            channel.isend(msg)
+            channel.wait()
+        times.append((time.perf_counter() - t0) / 2)
+    return sorted(times)[reps // 2]

@@ -93,6 +93,8 @@ def test_separate_critic_equals_colocated_and_overlaps(reference, tmp_path):
     for name in ("policy", "value"):
         start, end = reference[f"initial_{name}"], reference[name]
         assert any(not torch.equal(start[k], end[k]) for k in end), name
+    print(f"exchange one-way (gloo, 2 local ranks): {policy['exchange_s'] * 1e3:.3f} ms")
+    assert policy["exchange_s"] > 0
     # overlap: the critic started step n + 1 before the policy finished step n
     t = {(e, n): ts for e, n, ts in policy["events"] + critic["events"]}
     for n in range(worker.NUM_STEPS - 1):
