@@ -8,6 +8,7 @@ the colocated run, so every run trains on the same bytes.
 
 from __future__ import annotations
 
+import datetime
 import time
 
 import torch
@@ -117,20 +118,20 @@ def separate_worker(rank: int, world_size: int, out_dir: str) -> None:
     gate = Path(f"{out_dir}/gate").exists()
     events: list[tuple[str, int, float]] = []
     marker = torch.zeros(1, dtype=torch.int64)
+    gate_sends: list = []
 
     def on_event(event: str, index: int) -> None:
         events.append((event, index, time.monotonic()))
         if not gate:
             return
         if event == "value_start" and index > 0:  # tell the policy step n+1 has begun
-            dist.isend(torch.tensor([index]), roles.peer, tag=GATE_TAG).wait()
+            box = torch.tensor([index])
+            gate_sends.append((box, dist.isend(box, roles.peer, tag=GATE_TAG)))
         if event == "policy_start" and index + 1 < NUM_STEPS:
+            # (gloo's is_completed() never turns True before wait(): wait with a guard)
             work = dist.irecv(marker, roles.peer, tag=GATE_TAG)
-            deadline = time.monotonic() + 300.0
-            while not work.is_completed():
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the critic did not start step {index + 1} in 300 s")
-                time.sleep(0.001)
+            if not work.wait(timeout=datetime.timedelta(seconds=300)):
+                raise RuntimeError(f"the critic did not start step {index + 1} in 300 s")
             assert int(marker) == index + 1
         events.append((event + "_released", index, time.monotonic()))
 
@@ -150,6 +151,8 @@ def separate_worker(rank: int, world_size: int, out_dir: str) -> None:
             metrics.append(step.train_step(batch, train_version=n))
             advantages.append(step.last_state.advantages.clone())
         step.flush()
+        for _, work in gate_sends:
+            work.wait()
         out = {"role": role, "metrics": metrics, "events": events}
         out["exchange_s"] = _exchange_seconds(step.channel, role)
         if role == "policy":
