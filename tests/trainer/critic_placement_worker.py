@@ -78,13 +78,14 @@ def params(train) -> dict[str, torch.Tensor]:
 
 
 def colocated(parallel, batches) -> dict:
-    """RLStep with both models on this rank: per step the metrics and advantages, then the final
-    weights."""
+    """RLStep with both models on this rank: one value pre-training step on batches[0], then per
+    train step the metrics and advantages, then the final weights."""
     from sao_megatron.trainer.rl_step import RLStep
 
     p_state, v_state = build(parallel, None)
     initial = {"initial_policy": params(p_state), "initial_value": params(v_state)}
     step = RLStep(algorithm(), parallel, p_state, v_state, step_config())
+    pretrain = step.value_step(batches[0])  # one value pre-training step first
     metrics, advantages = [], []
     for n, batch in enumerate(batches):
         state = step.start(batch, train_version=n)
@@ -93,6 +94,7 @@ def colocated(parallel, batches) -> dict:
         metrics.append(step.finish(state))
         advantages.append(state.advantages.clone())
     return initial | {
+        "pretrain": pretrain,
         "metrics": metrics,
         "advantages": advantages,
         "policy": params(p_state),
@@ -101,11 +103,11 @@ def colocated(parallel, batches) -> dict:
 
 
 def separate_worker(rank: int, world_size: int, out_dir: str) -> None:
-    """2*D ranks: D policy ranks, D value ranks (`split_roles`), NUM_STEPS pipelined steps on
-    the batches of out_dir/batches.pt; every event is time-stamped (time.monotonic, one clock
-    for all processes of the machine). With out_dir/gate present the policy update of step n
-    waits until the value rank has started step n + 1 (it would wait forever, until the 300 s
-    guard, if the critic waited for the policy)."""
+    """2*D ranks: D policy ranks, D value ranks (`split_roles`), one value pre-training step
+    and NUM_STEPS pipelined steps on the batches of out_dir/batches.pt; every event is
+    time-stamped (time.monotonic, one clock for all processes of the machine). With
+    out_dir/gate present the policy update of step n waits until the value rank has started
+    step n + 1 (it would wait until the 300 s guard if the critic waited for the policy)."""
     from pathlib import Path
 
     from sao_megatron.parallel import ParallelConfig, destroy_parallel, initialize_parallel
@@ -146,6 +148,7 @@ def separate_worker(rank: int, world_size: int, out_dir: str) -> None:
             step_cfg=step_config(),
             on_event=on_event,
         )
+        pretrain = step.value_step(batches[0])  # value ranks train, policy ranks get metrics
         metrics, advantages = [], []
         for n, batch in enumerate(batches):
             metrics.append(step.train_step(batch, train_version=n))
@@ -153,7 +156,7 @@ def separate_worker(rank: int, world_size: int, out_dir: str) -> None:
         step.flush()
         for _, work in gate_sends:
             work.wait()
-        out = {"role": role, "metrics": metrics, "events": events}
+        out = {"role": role, "pretrain": pretrain, "metrics": metrics, "events": events}
         out["exchange_s"] = _exchange_seconds(step.channel, role)
         if role == "policy":
             out["policy"] = params(p_state)

@@ -64,17 +64,22 @@ def reference(parallel_1rank, tmp_path):
 
 @pytest.mark.distributed
 def test_separate_critic_equals_colocated_and_overlaps(reference, tmp_path):
-    """Rank 0 trains the policy, rank 1 the critic, 3 SAO steps (K = 2): policy loss, value
-    losses, every metric, the advantages and the final policy and value weights equal the
-    colocated run's bit for bit; and with the gate on, the policy update of step n waits for the
-    critic to have started step n + 1, so the two overlap (no wall-clock threshold: a critic that
-    waited for the policy would never release the gate)."""
+    """Rank 0 trains the policy, rank 1 the critic, one value pre-training step (on the critic
+    only) then 3 SAO steps (K = 2): policy loss, value losses, every metric, the advantages and
+    the final policy and value weights equal the colocated run's bit for bit; and with the gate
+    on, the policy update of step n waits for the critic to have started step n + 1, so the two
+    overlap (no wall-clock threshold: a critic that waited for the policy would never release
+    the gate)."""
     (tmp_path / "gate").touch()
     launch(worker.separate_worker, 2, str(tmp_path))
     policy = torch.load(tmp_path / "rank0.pt", weights_only=False)
     critic = torch.load(tmp_path / "rank1.pt", weights_only=False)
     assert (policy["role"], critic["role"]) == ("policy", "value")
     assert len(policy["metrics"]) == worker.NUM_STEPS
+    # value pre-training ran on the critic; the policy rank returns the same metrics
+    _assert_same_metrics(critic["pretrain"], reference["pretrain"])
+    _assert_same_metrics(policy["pretrain"], reference["pretrain"])
+    assert "loss/value" in reference["pretrain"]
     for n in range(worker.NUM_STEPS):
         want = reference["metrics"][n]
         _assert_same_metrics(policy["metrics"][n], want)
@@ -121,6 +126,7 @@ def test_value_and_policy_halves_pipelined_equal_colocated_in_one_process(refere
         critic = RLStep(algo, parallel, None, v_state, cfg, separate_critic=True)
         actor = RLStep(algo, parallel, p_state, None, cfg, separate_critic=True)
         value_side = []
+        _assert_same_metrics(critic.value_step(batches[0]), reference["pretrain"])
 
         def critic_step(n):
             state = critic.start(batches[n], n)
@@ -164,6 +170,8 @@ def test_separate_critic_with_data_parallel_roles(tmp_path, parallel_1rank):
         pol = torch.load(tmp_path / f"rank{i}.pt", weights_only=False)
         val = torch.load(tmp_path / f"rank{2 + i}.pt", weights_only=False)
         assert (pol["role"], val["role"]) == ("policy", "value")
+        _assert_same_metrics(pol["pretrain"], ref["pretrain"])
+        _assert_same_metrics(val["pretrain"], ref["pretrain"])
         for n in range(worker.NUM_STEPS):
             _assert_same_metrics(pol["metrics"][n], ref["metrics"][n])
             assert torch.equal(pol["advantages"][n], ref["advantages"][n]), (i, n)
