@@ -25,6 +25,9 @@ class ParallelState:
         tp_rank, pp_rank, ep_rank, etp_rank, dp_rank: this rank's coordinates.
         pg_collection: Megatron ``ProcessGroupCollection`` with every group (tp, pp, dp, ep,
             expt_tp, expt_dp, dp_cp, tp_ep, ...), to pass explicitly to Megatron APIs.
+        model_group: every rank that trains this rank's models; None = the default group (the
+            whole world). A role of a separate critic (`sao_megatron.parallel.roles`) sets its
+            own ranks, so sums over "all ranks" stay within the role.
     """
 
     cfg: ParallelConfig
@@ -38,6 +41,7 @@ class ParallelState:
     etp_rank: int
     dp_rank: int
     pg_collection: object
+    model_group: object | None = None
 
     @property
     def is_first_pp_stage(self) -> bool:

@@ -162,6 +162,14 @@ class Controller:
     """
 
     def __init__(self, job: JobConfig, parallel: ParallelState) -> None:
+        if job.value.placement == "separate":
+            raise ValueError(
+                "value.placement=separate is available at the RLStep level only "
+                "(sao_megatron.trainer.critic_placement.SeparateCriticStep, docs/TRAINING.md "
+                "'Critic placement'): the job's rollout hands batches to the policy ranks one "
+                "step at a time and syncs weights from every rank, so it cannot feed a critic "
+                "that runs a batch ahead yet; set value.placement=colocated"
+            )
         self.job, self.parallel = job, parallel
         self.algorithm = registry.build(job.algorithm)
         self.rank0 = parallel.rank == 0

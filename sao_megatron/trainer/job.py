@@ -160,14 +160,24 @@ class ValueModelConfig:
         freeze_patterns: regexes over parameter names (re.search) frozen in the value model;
             default: self-attention and embeddings (docs/ARCHITECTURE.md).
         head_init_std: std of the value head's normal initialisation.
+        placement: where the critic trains. "colocated" (default): every rank holds the policy
+            and the value model and runs the whole schedule. "separate": the first half of the
+            ranks trains the policy, the second half the value model, the value work of batch
+            n+1 overlapping the policy update of batch n with the same numbers (docs/TRAINING.md,
+            "Critic placement"); only for algorithms with a value model, data parallelism only.
+            Available through `sao_megatron.trainer.critic_placement.SeparateCriticStep`; the
+            job (`sao-train`) does not run it yet and rejects it at start.
     """
 
     freeze_patterns: list[str] = field(default_factory=lambda: list(VALUE_DEFAULT_FREEZE_PATTERNS))
     head_init_std: float = 0.02
+    placement: str = "colocated"
 
     def __post_init__(self) -> None:
         if self.head_init_std < 0:
             raise ValueError(f"value.head_init_std={self.head_init_std}: must be >= 0")
+        if self.placement not in ("colocated", "separate"):
+            raise ValueError(f"value.placement={self.placement!r}: use 'colocated' or 'separate'")
 
 
 @dataclass(kw_only=True)
@@ -285,6 +295,11 @@ class JobConfig:
             raise ValueError(
                 f"stages contains value_pretrain but algorithm.name={algorithm.name!r} has no "
                 "value model; remove it from stages"
+            )
+        if self.value.placement == "separate" and not algorithm.needs_value_model:
+            raise ValueError(
+                f"value.placement=separate but algorithm.name={algorithm.name!r} has no value "
+                "model; set value.placement=colocated"
             )
         trains_tokenizer = self.tokenizer.kind == "sentencepiece" and not self.tokenizer.path
         if trains_tokenizer and self.tokenizer.vocab_size > self.model.vocab_size:

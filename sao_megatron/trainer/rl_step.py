@@ -84,9 +84,13 @@ class RLStep:
     Args:
         algorithm: the algorithm object (`sao_megatron.algorithm.registry.build(config)`).
         parallel: this rank's parallel state.
-        policy: policy `TrainState` (DDP model, optimiser, LR scheduler).
+        policy: policy `TrainState` (DDP model, optimiser, LR scheduler); None on the value
+            ranks of a separate critic (`sao_megatron.trainer.critic_placement`), which run
+            only the value phases and ADVANTAGES.
         value: value-model `TrainState`; required iff ``algorithm.needs_value_model``.
         step_cfg: micro-batching, staleness bound, routing replay.
+        separate_critic: this rank holds one of the two models of a separate critic (exactly
+            one of `policy` / `value`); the phases of the other model are not available here.
     Raises ValueError when the value model does not match the algorithm, or when routing replay
     is asked of a dense policy.
     """
@@ -95,33 +99,49 @@ class RLStep:
         self,
         algorithm: Algorithm,
         parallel: ParallelState,
-        policy: TrainState,
+        policy: TrainState | None,
         value: TrainState | None,
         step_cfg: StepConfig,
+        *,
+        separate_critic: bool = False,
     ) -> None:
-        if algorithm.needs_value_model and value is None:
+        if separate_critic:
+            if not algorithm.needs_value_model:
+                raise ValueError(
+                    f"value.placement=separate: algorithm.name={algorithm.name!r} has no value "
+                    "model; use value.placement=colocated"
+                )
+            if (policy is None) == (value is None):
+                raise ValueError(
+                    "separate_critic=True: pass the policy on policy ranks and the value model "
+                    "on value ranks (exactly one of them)"
+                )
+        elif algorithm.needs_value_model and value is None:
             raise ValueError(f"algorithm.name={algorithm.name!r} needs a value model")
         if not algorithm.needs_value_model and value is not None:
             raise ValueError(
                 f"algorithm.name={algorithm.name!r} has no value model: pass value=None"
             )
+        if policy is None and not separate_critic:
+            raise ValueError("RLStep needs the policy (policy=None only with separate_critic)")
         self.algorithm, self.config = algorithm, algorithm.config
         self.parallel, self.policy, self.value, self.cfg = parallel, policy, value, step_cfg
         self._ctx = StepContext(parallel, step_cfg.micro_batch_size)
         self._advantages = StepAdvantages(algorithm)
-        self._policy = PolicyPhases(
-            self._ctx, algorithm, policy, routing_replay=step_cfg.routing_replay
-        )
-        self._phases = {
-            Phase.OLD_LOGPROBS: self._policy.old_logprobs,
-            Phase.ADVANTAGES: self._advantages_phase,
-            Phase.POLICY_UPDATE: self._policy.update,
-        }
+        self._phases = {}
+        if policy is not None:
+            self._policy = PolicyPhases(
+                self._ctx, algorithm, policy, routing_replay=step_cfg.routing_replay
+            )
+            self._phases[Phase.OLD_LOGPROBS] = self._policy.old_logprobs
+            self._phases[Phase.POLICY_UPDATE] = self._policy.update
         self._critic = None
         if value is not None:
             self._critic = ValuePhases(self._ctx, self._advantages, value, algorithm.config)
             self._phases[Phase.VALUE_TARGETS] = self._critic.targets
             self._phases[Phase.VALUE_UPDATE] = self._critic.update
+        if value is not None or not algorithm.needs_value_model:  # a separate critic's policy
+            self._phases[Phase.ADVANTAGES] = self._advantages_phase  # ranks receive them
 
     def train_step(self, batch: TrainBatch, train_version: int) -> dict[str, float]:
         """Run the algorithm's schedule on the global `batch` (identical on all ranks).
@@ -196,6 +216,11 @@ class RLStep:
 
     def run(self, phase: Phase, state: StepState) -> None:
         """Run one phase on `state`, adding its seconds to ``time/<phase.timer>``."""
+        if phase not in self._phases:
+            raise ValueError(
+                f"phase {phase.name} runs on the other ranks of a separate critic "
+                "(sao_megatron.trainer.critic_placement)"
+            )
         t0 = time.perf_counter()
         self._phases[phase](state)
         key = f"time/{phase.timer}"

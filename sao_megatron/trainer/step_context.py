@@ -52,8 +52,11 @@ class StepContext:
         return dict(zip(d, out, strict=True))
 
     def world_sum(self, *xs: float) -> list[float]:
-        """`xs` summed over every rank of the default process group (float64)."""
-        return _sum(list(xs), reduce=dist.is_initialized() and dist.get_world_size() > 1)
+        """`xs` summed over every rank training this model (float64): the default process
+        group, or the role's ranks of a separate critic (`ParallelState.model_group`)."""
+        group = self.parallel.model_group
+        multi = dist.is_initialized() and dist.get_world_size(group) > 1
+        return _sum(list(xs), group, reduce=multi)
 
     def forward_backward(
         self,
