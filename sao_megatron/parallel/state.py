@@ -155,5 +155,15 @@ def destroy_parallel(destroy_process_group: bool = False) -> None:
     from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()
-    if destroy_process_group and dist.is_initialized():
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return
+    if destroy_process_group:
+        dist.destroy_process_group()  # the default group and every subgroup
+        return
+    # Megatron's destroy only forgets its groups: torch keeps each one, with its gloo threads
+    # (two per group), so a process that re-initialises layouts (the tests, benchmarks) would
+    # accumulate thousands of idle-polling threads. Destroy every group but the default one.
+    default = dist.distributed_c10d._get_default_group()
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group is not default and group is not None:
+            dist.destroy_process_group(group)
