@@ -48,6 +48,15 @@ def algo_overrides(algo: str, group_size: int, has_value_pretrain: bool, base=No
             if getattr(base.algorithm.sao, f.name) != getattr(default, f.name):
                 value = getattr(default, f.name)
                 sao_defaults.append(f"algorithm.sao.{f.name}={'null' if value is None else value}")
+    if algo == "grpo_dis":  # group advantages, the config's DIS band on behaviour log-probs
+        return [
+            "stages=[rl]",
+            "algorithm.name=grpo_dis",
+            f"algorithm.grpo.group_size={group_size}",
+            *sao_defaults,
+        ]
+    if algo != "grpo":
+        raise ValueError(f"--algorithms {algo!r}: use sao, grpo or grpo_dis")
     return [
         "stages=[rl]",
         "algorithm.name=grpo",
@@ -56,6 +65,10 @@ def algo_overrides(algo: str, group_size: int, has_value_pretrain: bool, base=No
         "algorithm.ppo.clip_high=0.2",
         *sao_defaults,
     ]
+
+
+#: table / legend names of the algorithms
+NAMES = {"sao": "SAO", "grpo": "GRPO", "grpo_dis": "GRPO+DIS"}
 
 
 def main(argv=None) -> int:
@@ -67,6 +80,14 @@ def main(argv=None) -> int:
     ap.add_argument("--num-eval-tasks", type=int, default=64)
     ap.add_argument("--out", default="runs/bench_sao_vs_grpo")
     ap.add_argument("--section", default="SAO vs GRPO")
+    ap.add_argument(
+        "--algorithms",
+        nargs="+",
+        default=["sao", "grpo"],
+        choices=sorted(NAMES),
+        help="which algorithms to run, interleaved per repeat (default: sao grpo)",
+    )
+    ap.add_argument("--first-seed", type=int, default=0, help="repeat r uses seed first_seed + r")
     ap.add_argument("--write", action="store_true", help="update docs/BENCHMARKS.md")
     ap.add_argument("override", nargs="*", help="extra section.field=value for every job")
     args = ap.parse_args(argv)
@@ -79,9 +100,9 @@ def main(argv=None) -> int:
     out = (REPO / args.out).resolve()
     start_info = benchlib.machine_info()
     sft = shared_sft(args.config, args.override, out / "sft")
-    runs: dict[str, list[RunFigures]] = {"sao": [], "grpo": []}
-    for r in range(args.repeats):
-        for algo in ("sao", "grpo"):  # interleaved: load drift hits both alike
+    runs: dict[str, list[RunFigures]] = {a: [] for a in args.algorithms}
+    for r in range(args.first_seed, args.first_seed + args.repeats):
+        for algo in args.algorithms:  # interleaved: load drift hits every algorithm alike
             run_dir = out / f"{algo}_r{r}"
             seed_from_sft(sft, run_dir)
             ov = benchlib.rl_overrides(args.override, args.budget_s, args.num_eval_tasks, r)
@@ -102,6 +123,10 @@ def main(argv=None) -> int:
         img = REPO / "docs" / "img" / f"bench_{slug}.png"
         img.write_bytes(plot.read_bytes())
         flags = [f"--repeats {args.repeats}", f"--budget-s {args.budget_s:g}"]
+        if args.algorithms != ap.get_default("algorithms"):
+            flags.append("--algorithms " + " ".join(args.algorithms))
+        if args.first_seed:
+            flags.append(f"--first-seed {args.first_seed}")
         for name in ("config", "group_size", "num_eval_tasks", "out", "section"):
             value = getattr(args, name)
             if value != ap.get_default(name):
@@ -121,14 +146,14 @@ def main(argv=None) -> int:
 
 def render_table(runs: dict[str, list[RunFigures]], args) -> str:
     def row(label, fn, fmt="{:.3g}"):
-        cells = [spread([fn(f) for f in runs[a]], fmt) for a in ("sao", "grpo")]
-        return f"| {label} | {cells[0]} | {cells[1]} |"
+        cells = [spread([fn(f) for f in runs[a]], fmt) for a in runs]
+        return f"| {label} | " + " | ".join(cells) + " |"
 
-    first = next(iter(runs["sao"] or runs["grpo"]))
+    first = next(f for fs in runs.values() for f in fs)
     envs = sorted({k.split("/")[1] for k in first.after if k.count("/") == 2})
     lines = [
-        "| metric | SAO | GRPO |",
-        "|---|---|---|",
+        "| metric | " + " | ".join(NAMES[a] for a in runs) + " |",
+        "|---" * (len(runs) + 1) + "|",
         row("policy updates in budget", lambda f: f.steps, "{:.0f}"),
         row("trained trajectories / s (end to end)", lambda f: f.trajectories_per_s),
         row("train tokens / s (in train steps)", lambda f: f.train_tokens_per_s, "{:.0f}"),
@@ -160,7 +185,7 @@ def render_table(runs: dict[str, list[RunFigures]], args) -> str:
             lines.append(row(f"{label} before RL", lambda f, k=k: f.before.get(k), "{:.3f}"))
             lines.append(row(f"{label} after RL", lambda f, k=k: f.after.get(k), "{:.3f}"))
         cells = []
-        for a in ("sao", "grpo"):
+        for a in runs:
             n = sum(f.after.get(f"eval/{env}/num_tasks", 0.0) for f in runs[a])
             solved = sum(
                 f.after.get(f"eval/{env}/success_rate", 0.0)
@@ -171,7 +196,7 @@ def render_table(runs: dict[str, list[RunFigures]], args) -> str:
             se = math.sqrt(p * (1 - p) / n) if n else float("nan")
             cells.append(f"{p:.3f} ± {se:.3f} ({solved:.0f}/{n:.0f})")
         lines.append(
-            f"| held-out {env} success after RL, pooled over repeats | {cells[0]} | {cells[1]} |"
+            f"| held-out {env} success after RL, pooled over repeats | " + " | ".join(cells) + " |"
         )
     return "\n".join(lines)
 
@@ -188,17 +213,17 @@ def plot_curves(runs: dict[str, list[RunFigures]], path: Path, args) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    colours = {"sao": "tab:blue", "grpo": "tab:orange"}
+    colours = {"sao": "tab:blue", "grpo": "tab:orange", "grpo_dis": "tab:green"}
     for algo, figs in runs.items():
         for i, f in enumerate(figs):
             xs, ys = benchlib.smooth(f.curve, 5)
             axes[0].plot(
-                xs, ys, color=colours[algo], alpha=0.8, label=algo.upper() if i == 0 else None
+                xs, ys, color=colours[algo], alpha=0.8, label=NAMES[algo] if i == 0 else None
             )
             if f.deviation_curve:
                 dx, dy = zip(*f.deviation_curve, strict=True)
                 axes[1].plot(
-                    dx, dy, color=colours[algo], alpha=0.8, label=algo.upper() if i == 0 else None
+                    dx, dy, color=colours[algo], alpha=0.8, label=NAMES[algo] if i == 0 else None
                 )
     axes[0].set(
         xlabel="wall-clock since RL start (s)",

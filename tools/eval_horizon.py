@@ -50,6 +50,10 @@ def eval_env_spec(job, horizon: int):
         "max_steps_factor": 1.0,
         "reward_mode": "progress",
         "invalid_action_ends_episode": True,
+        "horizon_distribution": "fixed",
+        "max_horizon": None,
+        # held-out: the other side of a train split (puzzle classes disjoint from training)
+        "split": "eval" if base.split == "train" else base.split,
     }
     return EnvSpec(name="hanoi", options=opts)
 
@@ -111,6 +115,10 @@ def _evaluate_many(hf_dir, job, horizons, num_tasks, work, concurrency, temperat
                     "mean_progress": m.get("eval/hanoi/mean_progress", float("nan")),
                     "progress_se": m.get("eval/hanoi/progress_se", float("nan")),
                     "mean_turns": m["eval/hanoi/mean_turns"],
+                    "illegal_move_rate": m.get("eval/hanoi/illegal_move_rate", float("nan")),
+                    "non_optimal_move_rate": m.get(
+                        "eval/hanoi/non_optimal_move_rate", float("nan")
+                    ),
                     "num_tasks": float(num_tasks),
                     "num_errors": m["eval/num_errors"],
                     "wall_s": time.perf_counter() - t0,
@@ -122,10 +130,12 @@ def _evaluate_many(hf_dir, job, horizons, num_tasks, work, concurrency, temperat
 
 
 def render(results: dict[str, dict[int, dict[str, float]]], horizons: list[int]) -> str:
-    """One row per policy; per horizon: success ± SE, net optimal moves made (progress x H:
-    optimal distance removed when the episode ended) and mean moves played."""
+    """One row per policy; per horizon: success ± SE, the per-move error rate (illegal or
+    malformed / legal but not optimal, pooled over moves) and net optimal moves made (progress
+    x H: optimal distance removed when the episode ended)."""
     head = "| policy | " + " | ".join(
-        f"H={h} success | H={h} net moves | H={h} moves played" for h in horizons
+        f"H={h} success | H={h} errors / move (illegal, non-optimal) | H={h} net moves"
+        for h in horizons
     )
     lines = [head + " |", "|---" + "|---:" * (3 * len(horizons)) + "|"]
     for name, res in results.items():
@@ -133,8 +143,12 @@ def render(results: dict[str, dict[int, dict[str, float]]], horizons: list[int])
         for h in horizons:
             r = res[h]
             cells.append(f"{r['success_rate']:.3f} ± {r['success_se']:.3f}")
-            cells.append(f"{r['mean_progress'] * h:.2f} ± {r.get('progress_se', 0.0) * h:.2f}")
-            cells.append(f"{r['mean_turns']:.2f}")
+            ill, non = (
+                r.get("illegal_move_rate", math.nan),
+                r.get("non_optimal_move_rate", math.nan),
+            )
+            cells.append(f"{ill:.4f}, {non:.4f}")
+            cells.append(f"{r['mean_progress'] * h:.1f} ± {r.get('progress_se', 0.0) * h:.1f}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -22,7 +22,8 @@ training ones by construction, not only "in practice"; ``split: all`` (default) 
 
 Action format (strict). One move per step, written ``X->Y`` with X and Y two different peg labels
 (default ``A``, ``B``, ``C``), e.g. ``A->C``. Leading/trailing whitespace is ignored; anything else
-(empty text, garbage, several moves or a whole solution, lower-case labels) is *malformed*.
+(empty text, garbage, several moves or a whole solution, lower-case labels) is *malformed*
+(with ``action_format: plan``: text without ``->`` may come before the move, see below).
 Moving from an empty peg or a larger disk onto a smaller one is *illegal*.
 
 Observation. The pegs, one line each, disks listed bottom to top::
@@ -30,6 +31,24 @@ Observation. The pegs, one line each, disks listed bottom to top::
     A: 5 4 1
     B: 3 2
     C:
+
+or, with ``observation: disks``, the peg of every disk, largest first (the same state)::
+
+    Disks: 5 A 4 A 3 B 2 B 1 A
+
+Reasoning before the move (``action_format: plan``). The agent may write any text without
+``->`` before its move, e.g. a plan; only the final ``X->Y`` is acted on. The gold action
+(`gold_action`, the demonstrations) then writes, for every disk from the largest down, the disk,
+its peg and its goal peg on the optimal route, and the move: for the state above and target C::
+
+    5 A C 4 A B 3 B C 2 B A 1 A C A->C
+
+The goal of the largest disk is the target peg; a disk's goal is the goal of the disk above it in
+the list when that disk sits on its own goal, else the third peg (`hanoi_states.targets`); the
+move takes the smallest disk not on its goal there. Each goal is a function of the two tokens
+before it, so a small model can follow the recursion a token at a time (a one-token answer
+needs the whole recursion in one forward pass), and the mismatched disks of the plan give the
+remaining optimal distance (sum of 2^(d-1)), which a critic can read.
 
 The first observation also states the task, the action format (and, with ``goal: random``, the
 goal position). Later observations are the pegs only (not the history).
@@ -82,6 +101,7 @@ from sao_megatron.envs.hanoi_states import (  # noqa: F401  (re-exported: the pu
     sample_state_at_distance,
     split_of,
     states_at_distance,
+    targets,
     tower,
 )
 from sao_megatron.envs.heavy_tail import HEAVY_TAILED, sample_heavy_tailed
@@ -123,6 +143,10 @@ class HanoiConfig:
             "terminate" (it is a terminal failure with value 0: the budget is part of the task).
         show_moves_left: add "Moves left: k" (the remaining step budget) to every observation,
             so a critic that sees only a window of the episode can tell a lost position.
+        observation: "pegs" (one line per peg, disks bottom to top) or "disks" (the peg of
+            every disk, largest first, on one line); see the module docstring.
+        action_format: "move" (exactly ``X->Y``) or "plan" (free text without ``->`` before
+            the move; the gold action writes each disk's peg and goal first).
     """
 
     horizon: int = 50
@@ -144,6 +168,8 @@ class HanoiConfig:
     max_horizon: int | None = None
     budget_end: str = "truncate"
     show_moves_left: bool = False
+    observation: str = "pegs"
+    action_format: str = "move"
 
     def __post_init__(self) -> None:
         if not (isinstance(self.horizon, int) and self.horizon >= 1):
@@ -181,6 +207,10 @@ class HanoiConfig:
             raise ValueError(f"hanoi.instructions={self.instructions!r}: use 'full' or 'short'")
         if self.budget_end not in ("truncate", "terminate"):
             raise ValueError(f"hanoi.budget_end={self.budget_end!r}: use 'truncate' or 'terminate'")
+        if self.observation not in ("pegs", "disks"):
+            raise ValueError(f"hanoi.observation={self.observation!r}: use 'pegs' or 'disks'")
+        if self.action_format not in ("move", "plan"):
+            raise ValueError(f"hanoi.action_format={self.action_format!r}: use 'move' or 'plan'")
         if self.start not in ("canonical", "random"):
             raise ValueError(f"hanoi.start={self.start!r}: use 'canonical' or 'random'")
         if self.goal not in ("tower", "random"):
@@ -303,7 +333,11 @@ class HanoiEnv:
         self.horizon = self.config.horizon
         self.max_steps = self._budget(self.config.largest_horizon)  # the largest; reset sets it
         self._labels = self.config.peg_labels
-        self._move_re = re.compile(rf"\s*([{self._labels}])->([{self._labels}])\s*")
+        move = rf"([{self._labels}])->([{self._labels}])"
+        if self.config.action_format == "plan":  # any text without "->", then the move
+            self._move_re = re.compile(rf"\s*(?:(?:(?!->).)*?\s)?{move}\s*", re.DOTALL)
+        else:
+            self._move_re = re.compile(rf"\s*{move}\s*")
         self.state: State | None = None
         self.done = True
 
@@ -381,24 +415,29 @@ class HanoiEnv:
                     f"{lab[0]}->{lab[2]}."
                 )
             return f"{head}\nGoal:\n{self.render(self.goal)}\nNow:\n{self._observation()}"
+        plan = cfg.action_format == "plan"
         if cfg.instructions == "short":
             return (
                 f"Hanoi {self.num_disks} disks, goal peg {lab[self.target_peg]}, "
-                f"one move X->Y per turn.\n" + self._observation()
+                f"{'plan then ' if plan else ''}one move X->Y per turn.\n" + self._observation()
             )
         return (
             f"Tower of Hanoi: {self.num_disks} disks on pegs {lab[0]}, {lab[1]}, {lab[2]}. "
             f"Move all disks to peg {lab[self.target_peg]}. Disks are numbered by size (1 is the "
             "smallest) and listed bottom to top. Move one top disk per turn; never put a disk on "
-            f"a smaller one. Reply with exactly one move, e.g. {lab[0]}->{lab[2]}.\n"
-            + self._observation()
+            f"a smaller one. Reply with {'a plan, then ' if plan else ''}exactly one move, e.g. "
+            f"{lab[0]}->{lab[2]}.\n" + self._observation()
         )
 
     def render(self, state: State | None = None) -> str:
         """The pegs of `state` (default: the current one), one line per peg, disks bottom to top
-        (e.g. 'A: 5 4 1')."""
+        (e.g. 'A: 5 4 1'); with ``observation: disks`` the peg of each disk, largest first
+        (e.g. 'Disks: 5 A 4 A 3 B 2 B 1 A')."""
         state = self.state if state is None else state
         assert state is not None, "call reset() first"
+        if self.config.observation == "disks":
+            n = len(state)
+            return "Disks:" + "".join(f" {d} {self._labels[state[d - 1]]}" for d in range(n, 0, -1))
         lines = []
         for p in range(3):
             disks = [d for d in range(len(state), 0, -1) if state[d - 1] == p]
@@ -486,28 +525,51 @@ class HanoiEnv:
             return gold_move(self.state, self.target_peg)
         return gold_move_to(self.state, self.goal)
 
+    def plan_text(self) -> str:
+        """The gold plan of ``action_format: plan`` for the current state (goal: tower): for
+        every disk d from the largest down, 'd peg goal' (`hanoi_states.targets`), e.g.
+        '3 B C 2 A A 1 A A'."""
+        assert self.state is not None, "call reset() first"
+        if self.config.goal != "tower":
+            raise ValueError(
+                "hanoi.action_format='plan' writes the goals of the route to a tower; with "
+                "hanoi.goal='random' use action_format='move'"
+            )
+        t = targets(self.state, self.target_peg)
+        lab, n = self._labels, len(self.state)
+        return " ".join(f"{d} {lab[self.state[d - 1]]} {lab[t[d - 1]]}" for d in range(n, 0, -1))
+
+    def _action_text(self, move: Move) -> str:
+        """The action for `move`: the move, after the gold plan with ``action_format: plan``."""
+        if self.config.action_format == "plan":
+            return f"{self.plan_text()} {self.format_move(move)}"
+        return self.format_move(move)
+
     def gold_action(self) -> str:
-        """The first move of an optimal solution from the current state (on or off path)."""
+        """The first move of an optimal solution from the current state (on or off path),
+        after the gold plan with ``action_format: plan``."""
         if self.done or self.state is None:
             raise RuntimeError("HanoiEnv.gold_action(): no episode in progress")
         move = self._gold()
         assert move is not None, "unsolved state has a gold move"
-        return self.format_move(move)
+        return self._action_text(move)
 
     def noisy_gold_action(self, rng: random.Random, epsilon: float) -> tuple[str, bool]:
         """With probability `epsilon` a legal move that is not the gold move, else the gold move.
 
-        Returns (action text, is_gold). After a wrong move, later calls recover along the optimal
-        route from the new state (the gold solver works from any state).
+        Returns (action text, is_gold); with ``action_format: plan`` a wrong move follows the
+        right plan (the plan is context, the move is the error). After a wrong move, later calls
+        recover along the optimal route from the new state (the gold solver works from any
+        state).
         """
         if self.done or self.state is None:
             raise RuntimeError("HanoiEnv.noisy_gold_action(): no episode in progress")
         gold = self._gold()
         if rng.random() < epsilon:
             wrong = [m for m in legal_moves(self.state) if m != gold]
-            return self.format_move(rng.choice(wrong)), False
+            return self._action_text(rng.choice(wrong)), False
         assert gold is not None
-        return self.format_move(gold), True
+        return self._action_text(gold), True
 
     def remaining_optimal_moves(self) -> int:
         """Optimal distance from the current state to the goal."""

@@ -51,8 +51,14 @@ def tower(num_disks: int, peg: int) -> State:
     return (peg,) * num_disks
 
 
-def _targets(state: State, target: int) -> list[int]:
-    """t[d-1]: where disk d must go next on the optimal route (largest disk first)."""
+def targets(state: State, target: int) -> list[int]:
+    """t[d-1]: the goal peg of disk d on the optimal route from `state` to all disks on `target`.
+
+    Largest disk first: t[n-1] = target; t[d-2] = t[d-1] when disk d is on t[d-1], else the third
+    peg 3 - state[d-1] - t[d-1] (disk d must move, so the smaller disks gather on the third peg).
+    Pegs are 0..2; O(n). Source: the standard recursion, e.g. Hinz et al., "The Tower of Hanoi -
+    Myths and Maths" (2013), ch. 2.
+    """
     t = [0] * len(state)
     cur = target
     for d in range(len(state), 0, -1):
@@ -68,7 +74,7 @@ def optimal_distance(state: State, target: int) -> int:
     Disk d (largest first) that is not on its current goal costs 2^(d-1) moves: the smaller disks
     must first gather on the third peg; the goal of disk d-1 then becomes that third peg.
     """
-    t = _targets(state, target)
+    t = targets(state, target)
     return sum(2 ** (d - 1) for d in range(1, len(state) + 1) if state[d - 1] != t[d - 1])
 
 
@@ -76,10 +82,10 @@ def gold_move(state: State, target: int) -> Move | None:
     """First move of an optimal solution from `state` (any legal state, on or off the optimal
     path) to all disks on `target`; None when already solved.
 
-    It moves the smallest disk not on its goal peg (goals from `_targets`): all smaller disks sit
+    It moves the smallest disk not on its goal peg (goals from `targets`): all smaller disks sit
     on their goals, which is the third peg, so the move is legal.
     """
-    t = _targets(state, target)
+    t = targets(state, target)
     for d in range(1, len(state) + 1):
         if state[d - 1] != t[d - 1]:
             return (state[d - 1], t[d - 1])
