@@ -357,6 +357,45 @@ def fit(args, out: Path, name: str, batches) -> Path:
 
 
 # ---------------------------------------------------------------------------- ceiling
+def iid_ev_ceiling(p: float, horizon: int, reward_mode: str = "progress") -> float:
+    """Explained variance of the *perfect* critic when every move fails independently with
+    probability `p` (illegal or non-optimal: with a budget of H moves either loses the puzzle),
+    exactly, in float64: the share of the return variance that any state value can explain.
+
+    Model: a Hanoi episode of H optimal moves, one row per move played (the failing move
+    included, none after it). With T the index of the first failing move (P(T=k) = (1-p)^k p,
+    k < H; T = H with probability (1-p)^H), the return from move t is (min(T, H) - t) / H with
+    the progress reward and 1[T = H] with the success reward; the perfect critic predicts its
+    mean given that moves 0..t-1 succeeded (it sees the moves left). Rows are pooled over
+    episodes as the trainer pools tokens (every row weighs the same here; the trainer weighs
+    each move by its token count, constant for a plan of fixed disk count). Returns
+    1 - E[(R - V)^2] / Var[R] over rows; 0 when Var[R] = 0. Checked against a simulation in
+    tests/tools/test_bench_critic.py.
+    """
+    if not (0.0 <= p <= 1.0) or horizon < 1:
+        raise ValueError(f"iid_ev_ceiling: p={p} must be in [0, 1] and horizon={horizon} >= 1")
+    h, q = horizon, 1.0 - p
+    prob_t = [q**k * p for k in range(h)] + [q**h]  # P(T = k), k = 0..H
+
+    def ret(t: int, k: int) -> float:  # return from move t when the first failure is move k
+        if reward_mode == "success":
+            return 1.0 if k == h else 0.0
+        return (min(k, h) - t) / h
+
+    # rows: (t, k) for every k and t = 0..min(k, H-1); weight P(T = k)
+    rows = [(t, k, prob_t[k]) for k in range(h + 1) for t in range(min(k, h - 1) + 1)]
+    # V(t) = E[R_t | T >= t]
+    value = []
+    for t in range(h):
+        mass = sum(prob_t[k] for k in range(t, h + 1))
+        value.append(sum(prob_t[k] * ret(t, k) for k in range(t, h + 1)) / mass if mass else 0.0)
+    total = sum(w for _, _, w in rows)
+    mean = sum(w * ret(t, k) for t, k, w in rows) / total
+    var = sum(w * (ret(t, k) - mean) ** 2 for t, k, w in rows) / total
+    mse = sum(w * (ret(t, k) - value[t]) ** 2 for t, k, w in rows) / total
+    return 0.0 if var <= 0 else 1.0 - mse / var
+
+
 def tabular_ceiling(batches, heldout: int, mode, factor: float) -> float:
     """Held-out EV of a tabular Monte-Carlo critic on full-history token prefixes.
 

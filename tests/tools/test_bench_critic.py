@@ -106,3 +106,32 @@ def test_tabular_ceiling_explains_a_deterministic_outcome():
     batches = [[episode(i) for i in range(4)] for _ in range(3)]
     ev = bench.tabular_ceiling(batches, 1, ("success", "terminate"), 1.0)
     assert ev == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("reward_mode", ["progress", "success"])
+@pytest.mark.parametrize("p", [0.02, 0.1])
+def test_iid_ev_ceiling_matches_a_simulation(reward_mode, p):
+    import random
+
+    h, rng = 20, random.Random(0)
+    rows = []  # (t, return)
+    for _ in range(40_000):
+        k = next((t for t in range(h) if rng.random() < p), h)
+        for t in range(min(k, h - 1) + 1):
+            rows.append((t, (1.0 if k == h else 0.0) if reward_mode == "success" else (k - t) / h))
+    by_t: dict[int, list[float]] = {}
+    for t, r in rows:
+        by_t.setdefault(t, []).append(r)
+    value = {t: sum(v) / len(v) for t, v in by_t.items()}
+    mean = sum(r for _, r in rows) / len(rows)
+    var = sum((r - mean) ** 2 for _, r in rows) / len(rows)
+    mse = sum((r - value[t]) ** 2 for t, r in rows) / len(rows)
+    assert bench.iid_ev_ceiling(p, h, reward_mode) == pytest.approx(1 - mse / var, abs=0.01)
+
+
+def test_iid_ev_ceiling_limits():
+    assert bench.iid_ev_ceiling(0.0, 50) == pytest.approx(1.0)  # deterministic: all explained
+    assert bench.iid_ev_ceiling(0.0, 50, "success") == 0.0  # no variance at all
+    assert bench.iid_ev_ceiling(0.02, 50) > bench.iid_ev_ceiling(0.05, 50)
+    with pytest.raises(ValueError, match="p="):
+        bench.iid_ev_ceiling(1.5, 50)
