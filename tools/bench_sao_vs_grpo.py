@@ -42,6 +42,9 @@ def algo_overrides(algo: str, group_size: int, has_value_pretrain: bool, base=No
     from sao_megatron.algorithm.config import SAOConfig
 
     sao_defaults = []
+    if base is not None and base.algorithm.importance.weighting is not None:
+        # an SAO config's explicit weighting (dis_band) is not GRPO's: each takes its default
+        sao_defaults.append("algorithm.importance.weighting=null")
     if base is not None:
         default = SAOConfig()
         for f in dataclasses.fields(SAOConfig):

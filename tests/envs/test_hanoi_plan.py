@@ -63,6 +63,12 @@ def test_disks_observation_lists_every_disk_largest_first():
     env.reset(0)
     env.state = (0, 1, 1, 0, 0)
     assert env.render() == "Disks: 5 A 4 A 3 B 2 B 1 A"
+    env.target_peg = 2
+    assert env._observation() == "Goal C, disks: 5 A 4 A 3 B 2 B 1 A"
+    moves = HanoiEnv(horizon=5, start="random", observation="disks", show_moves_left=True)
+    moves.reset(0)
+    lines = moves._observation().split("\n")
+    assert lines[0] == "Moves left: 5" and lines[1].startswith("Goal ")
     pegs = HanoiEnv(horizon=5, start="random")
     pegs.reset(0)
     pegs.state = env.state
@@ -95,7 +101,9 @@ def test_plan_demonstrations_solve_every_puzzle_and_noise_keeps_the_plan():
         demo = run_demonstration(env, seed=seed)
         assert demo.total_reward == 1.0 and len(demo.actions) == 20
         assert "plan then one move" in demo.observations[0]
-        assert demo.observations[1].startswith("Disks: ")
+        goal = "ABC"[env.target_peg]
+        assert demo.observations[1].startswith(f"Goal {goal}, disks: ")
+        assert demo.observations[0].endswith("\n" + demo.observations[0].split("\n")[-1])
     env = HanoiEnv(horizon=20, start="random", action_format="plan", max_steps_factor=3.0)
     env.reset(1)
     rng = random.Random(0)
