@@ -115,7 +115,7 @@ def test_iid_ev_ceiling_matches_a_simulation(reward_mode, p):
 
     h, rng = 20, random.Random(0)
     rows = []  # (t, return)
-    for _ in range(40_000):
+    for _ in range(20_000):
         k = next((t for t in range(h) if rng.random() < p), h)
         for t in range(min(k, h - 1) + 1):
             rows.append((t, (1.0 if k == h else 0.0) if reward_mode == "success" else (k - t) / h))
@@ -126,7 +126,7 @@ def test_iid_ev_ceiling_matches_a_simulation(reward_mode, p):
     mean = sum(r for _, r in rows) / len(rows)
     var = sum((r - mean) ** 2 for _, r in rows) / len(rows)
     mse = sum((r - value[t]) ** 2 for t, r in rows) / len(rows)
-    assert bench.iid_ev_ceiling(p, h, reward_mode) == pytest.approx(1 - mse / var, abs=0.01)
+    assert bench.iid_ev_ceiling(p, h, reward_mode) == pytest.approx(1 - mse / var, abs=0.015)
 
 
 def test_iid_ev_ceiling_limits():
