@@ -157,8 +157,13 @@ class SeparateCriticStep:
     def value(self) -> TrainState | None:
         return self.step.value
 
-    def train_step(self, batch: TrainBatch, train_version: int) -> dict[str, float]:
+    def train_step(
+        self, batch: TrainBatch, train_version: int, max_staleness: int | None = None
+    ) -> dict[str, float]:
         """One step on the global `batch` (the same on every rank, in the same order).
+
+        `max_staleness`: this batch's tighter per-token bound, as for `RLStep.start` (the same
+        on both roles).
 
         Value ranks: the value phases and ADVANTAGES, the send posted; returns the value side's
         metrics (``batch/*`` included). Policy ranks: receive this batch's advantages and value
@@ -169,7 +174,7 @@ class SeparateCriticStep:
         step = self.step
         if not self.roles.is_policy:
             self._on_event("value_start", index)
-            state = self.last_state = step.start(batch, train_version)
+            state = self.last_state = step.start(batch, train_version, max_staleness)
             for phase in self.algorithm.schedule:
                 if phase not in POLICY_PHASES:
                     step.run(phase, state)
@@ -181,7 +186,7 @@ class SeparateCriticStep:
             self.channel.wait(keep=1)
             self._on_event("value_sent", index)
             return metrics
-        state = self.last_state = step.start(batch, train_version)
+        state = self.last_state = step.start(batch, train_version, max_staleness)
         t0 = time.perf_counter()
         msg = self._receive("train", index)
         self.wait_s = time.perf_counter() - t0
