@@ -30,10 +30,11 @@ Use on every rank, with the `RoleLayout` of `sao_megatron.parallel.roles.split_r
         metrics = step.train_step(batch, train_version=n)
     step.flush()
 
-Limits: the caller must hand both roles the same batches in the same order (the job's rollout
-does not do this yet: ``value.placement: separate`` is rejected by the job, see
-`sao_megatron.trainer.controller.Controller`); data parallelism only (`split_roles`); the value
-side's metrics reach the policy ranks, the policy's never reach the value ranks.
+Limits: the caller must hand both roles the same batches in the same order (the job does:
+`sao_megatron.trainer.controller.Controller` broadcasts every batch to both roles and, with
+rollout.max_staleness >= 1, hands out batch n+1 before the policy's update on batch n);
+data parallelism only (`split_roles`); the value side's metrics reach the policy ranks, the
+policy's never reach the value ranks.
 """
 
 from __future__ import annotations

@@ -31,9 +31,18 @@ SYNC = [
     "tasks.num_eval_tasks=0",
     "value.head_init_std=0.02",  # a zero head at reward 0 gives zero advantages: no update
 ]
-#: logged per RL step and compared exactly (the time/*, throughput/*, memory/*, sync/* and
-#: rollout/* figures are wall-clock or process measurements)
-TIMED = ("time/", "throughput/", "memory/", "sync/", "rollout/", "engine/", "episodes/")
+#: not compared: wall-clock and process figures (times, throughput, memory, engine and rollout
+#: counters; the buffer's counts start again in a resumed process)
+PROCESS = (
+    "time/",
+    "throughput/",
+    "memory/",
+    "sync/",
+    "rollout/",
+    "engine/",
+    "episodes/",
+    "buffer/",
+)
 
 
 def _from_sft(sft_run: Path, run: Path) -> Path:
@@ -46,7 +55,7 @@ def _from_sft(sft_run: Path, run: Path) -> Path:
 
 def _numbers(rec: dict) -> dict:
     skip = ("step", "placement/value_ahead")
-    return {k: v for k, v in rec.items() if k not in skip and not k.startswith(TIMED)}
+    return {k: v for k, v in rec.items() if k not in skip and not k.startswith(PROCESS)}
 
 
 def _same(a, b) -> bool:
@@ -95,8 +104,12 @@ def test_separate_job_equals_colocated_and_resumes(tmp_path):
     rl = _records(sep / "rl" / "metrics.jsonl")
     assert all(r["placement/value_ahead"] == 0.0 for r in rl)  # synchronous: no pull-ahead
     assert all(math.isfinite(r["loss/policy"]) and r["policy/update_ok"] == 1.0 for r in rl)
-    print("rl loss/policy", [r["loss/policy"] for r in rl], "loss/value",
-          [r["loss/value"] for r in rl])
+    print(
+        "rl loss/policy",
+        [r["loss/policy"] for r in rl],
+        "loss/value",
+        [r["loss/value"] for r in rl],
+    )
 
     # the same final policy, critic and optimiser states, each saved by its own role
     step = Path("checkpoints") / "rl" / "step_00000003"
