@@ -7,8 +7,9 @@ CPU: real Megatron on 2 gloo ranks (1 policy rank + 1 value rank) and a real vll
   logs the colocated 1-rank run's value pre-training and RL metrics and ends with its policy,
   critic and both optimisers, bit for bit.
 * Asynchronous SAO (max_staleness=1), the whole job (SFT on both ranks, value pre-training,
-  RL, evaluation): from the second step on the critic trains on batch n+1 while the policy
-  trains on batch n (``placement/value_ahead``), within the staleness bound.
+  RL, evaluation): the critic trains on batch 2 while the policy trains on batch 1
+  (``placement/value_ahead``), within the staleness bound, and a time budget spent meanwhile
+  ends the stage after the policy has trained on batch 2 too.
 """
 
 from __future__ import annotations
@@ -132,29 +133,34 @@ def test_separate_job_equals_colocated_and_resumes(tmp_path):
 
 @pytest.mark.distributed
 def test_separate_job_async_critic_runs_a_batch_ahead(tmp_path):
+    """The whole job asynchronously (rollout.max_staleness=1). rl.time_budget_s is spent by the
+    first step, when the critic has already trained on the second batch: the policy trains on
+    it too, then the stage saves and ends (a checkpoint holds both models after step 2)."""
     run = tmp_path / "async"
     _run(
         run,
-        "rl.steps=3",
+        "rl.steps=5",
+        "rl.time_budget_s=0.1",
         "value_pretrain.steps=1",
         "value.placement=separate",
         "checkpoint.save_interval=0",  # a checkpoint step is never pulled ahead of
         nproc=2,
     )
     recs = _records(run / "rl" / "metrics.jsonl")
-    assert [r["step"] for r in recs] == [1, 2, 3]
-    # steps 2 and 3: their batch was handed out during the step before, the critic trained on
-    # it while the policy trained on the previous batch
-    assert [r["placement/value_ahead"] for r in recs] == [0.0, 1.0, 1.0]
+    assert [r["step"] for r in recs] == [1, 2]
+    # step 2's batch was handed out during step 1: the critic trained on it while the policy
+    # trained on batch 1
+    assert [r["placement/value_ahead"] for r in recs] == [0.0, 1.0]
     for r in recs:
         assert r["policy/update_ok"] == 1.0
         assert r["deviation/version_lag_max"] <= 1  # rollout.max_staleness
         assert math.isfinite(r["loss/policy"]) and math.isfinite(r["loss/value"])
         assert "value/loss_1" in r  # the critic's 2 updates, logged by the policy rank
     evals = _records(run / "rl" / "eval.jsonl")
-    assert [r["step"] for r in evals] == [0, 3]
+    assert [r["step"] for r in evals] == [0, 2]
     assert len(_records(run / "value_pretrain" / "metrics.jsonl")) == 1
     assert (run / "hf_policy_final" / "config.json").is_file()
-    ckpt = run / "checkpoints" / "rl" / "step_00000003"
+    latest = (run / "checkpoints" / "rl" / "latest").read_text().strip()
+    assert latest.endswith("step_00000002")
     for part in ("policy", "value", "policy_optimizer", "value_optimizer"):
-        assert (ckpt / part).is_dir(), part
+        assert (run / "checkpoints" / "rl" / "step_00000002" / part).is_dir(), part
