@@ -36,15 +36,15 @@ from sao_megatron.data.chat_format import build_formatter
 from sao_megatron.data.demonstrations import demonstration_sequences
 from sao_megatron.models import build_policy
 from sao_megatron.parallel.collectives import broadcast_from_last_stage, broadcast_from_rank0
-from sao_megatron.parallel.roles import RoleLayout, check_separate_layout, split_roles
+from sao_megatron.parallel.roles import RoleLayout, split_roles
 from sao_megatron.parallel.state import ParallelState
 from sao_megatron.rollout import serve as remote
 from sao_megatron.rollout.engine import EngineClient, EngineError, EngineProcess
 from sao_megatron.rollout.manager import RolloutManager, Task
 from sao_megatron.trainer import report, runtime, signals
 from sao_megatron.trainer.checkpoint import CheckpointManager, CommonState, step_dir_name
-from sao_megatron.trainer.checkpoint.role_parts import set_replica_ids, with_other_roles_parts
-from sao_megatron.trainer.critic_placement import SeparateCriticStep
+from sao_megatron.trainer.checkpoint.role_parts import merge_from_value_ranks, role_split_parts
+from sao_megatron.trainer.critic_placement import SeparateCriticStep, check_separate_job
 from sao_megatron.trainer.evaluate import evaluate
 from sao_megatron.trainer.job import JobConfig, TasksConfig
 from sao_megatron.trainer.metrics import (
@@ -172,13 +172,13 @@ class Controller:
     world into policy ranks [0, P) and value ranks [P, 2P) (`split_roles`, a collective). SFT
     trains the policy on every rank (there is no critic yet); value pre-training and RL train
     the policy on the policy ranks and the critic on the value ranks (`SeparateCriticStep`).
-    Raises ValueError for what that placement does not support (`_check_separate`).
+    Raises ValueError for what that placement does not support (`check_separate_job`).
     """
 
     def __init__(self, job: JobConfig, parallel: ParallelState) -> None:
         self.roles: RoleLayout | None = None
         if job.value.placement == "separate":
-            _check_separate(job, parallel)
+            check_separate_job(job, parallel)
             self.roles = split_roles(parallel)
         self.job, self.parallel = job, parallel
         #: the parallel state the RL stage's models train with (the role's when separate)
@@ -227,34 +227,15 @@ class Controller:
             )
         return parts
 
-    def _role_parts(self, states: dict, loading: bool = False) -> dict:
-        """`_sharded_parts` of a role-split RL stage: this rank's own parts (replica ids of its
-        role) and the other role's as ``{}`` (their common state on rank 0 when saving;
-        `sao_megatron.trainer.checkpoint.role_parts`). Collective when saving."""
-        parts = self._sharded_parts(states, loading)
-        roles = self.roles
-        mine = {n: set_replica_ids(sd, roles.parallel.dp_rank) for n, sd in parts.items()}
-        first = {"policy": roles.policy_ranks[0], "value": roles.value_ranks[0]}
-        owners = {f"{n}{s}": first[n] for n in first for s in ("", "_optimizer")}
-        if loading:
-            return {n: mine.get(n, {}) for n in owners}
-        return with_other_roles_parts(mine, owners, rank=self.parallel.rank)
-
-    def _both_roles(self, obj: dict) -> dict:
-        """Rank 0's `obj` merged with the first value rank's (a collective over the world;
-        `obj` itself without a role split)."""
-        if self.roles is None:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=self.roles.value_ranks[0])
-        return obj | box[0] if self.parallel.rank == 0 else obj
-
     def _save(self, mgr, states: dict, common: CommonState, split: bool = False) -> None:
         """Save `states` (every rank holds them, or, `split`, each role its own)."""
         schedulers = {n: st.scheduler.state_dict() for n, st in states.items()}
-        common.extra["schedulers"] = self._both_roles(schedulers) if split else schedulers
+        if split:  # rank 0 saves the common state: the critic's schedule from the value ranks
+            schedulers = merge_from_value_ranks(schedulers, self.roles, self.parallel.rank)
+        common.extra["schedulers"] = schedulers
+        parts = self._sharded_parts(states)
         mgr.save(
-            self._role_parts(states) if split else self._sharded_parts(states),
+            role_split_parts(parts, self.roles, self.parallel.rank) if split else parts,
             common,
             layout=self._layout(),
             run_config=to_yaml(self.job),
@@ -262,9 +243,11 @@ class Controller:
         )
 
     def _load(self, mgr, path, states: dict, split: bool = False):
-        """Load `states` from `path` (`split`: each role its own parts, `_role_parts`)."""
+        """Load `states` from `path` (`split`: each role its own parts, `role_split_parts`)."""
         optional = [f"{name}_optimizer" for name in states]
-        parts = (self._role_parts if split else self._sharded_parts)(states, loading=True)
+        parts = self._sharded_parts(states, loading=True)
+        if split:
+            parts = role_split_parts(parts, self.roles, self.parallel.rank, loading=True)
         res = mgr.load(path, parts, optional_parts=optional)
         schedulers = res.common.extra.get("schedulers", {})
         for name, st in states.items():
@@ -763,7 +746,7 @@ class Controller:
 
     def _save_rl(self, rl: RLParts) -> None:
         """The RL checkpoint (collective; with a role split each role saves its own model and
-        optimiser into the same step folder, `_role_parts`)."""
+        optimiser into the same step folder, `role_split_parts`)."""
         if self.roles is not None:
             rl.step_fn.flush()  # the critic's sends of this step are received
         common = CommonState(
@@ -810,21 +793,6 @@ class Controller:
                 rollout=job.rollout,
             )
         return broadcast_from_rank0(out) or {}
-
-
-def _check_separate(job: JobConfig, parallel: ParallelState) -> None:
-    """Raise ValueError for a ``value.placement: separate`` job this controller cannot run: a
-    layout `split_roles` rejects (tp/pp/ep/expert_tp != 1, an odd or 1-rank world) or a
-    distributed optimiser (its state is sharded over the DP ranks with replica ids of Megatron's
-    global data-parallel group, which spans both roles; not built)."""
-    check_separate_layout(parallel.world_size, parallel.cfg)
-    for name in ("policy_optim", "value_optim"):
-        if getattr(job, name).distributed_optimizer:
-            raise ValueError(
-                f"value.placement=separate does not support {name}.distributed_optimizer=true "
-                f"(its checkpoint shards are not split by role): set "
-                f"{name}.distributed_optimizer=false, or use value.placement=colocated"
-            )
 
 
 def _rollout_metrics(stats: dict) -> dict[str, float]:

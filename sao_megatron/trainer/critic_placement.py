@@ -49,13 +49,30 @@ import torch.distributed as dist
 from sao_megatron.algorithm.base import Algorithm, Phase
 from sao_megatron.data.batch import TrainBatch
 from sao_megatron.optim.builder import TrainState
-from sao_megatron.parallel.roles import RoleLayout
+from sao_megatron.parallel.roles import RoleLayout, check_separate_layout
+from sao_megatron.parallel.state import ParallelState
 from sao_megatron.trainer.rl_step import RLStep, StepConfig
 from sao_megatron.trainer.step_state import StepState
 
 #: phases the policy ranks run; the value ranks run the others (value phases and ADVANTAGES)
 POLICY_PHASES = (Phase.OLD_LOGPROBS, Phase.POLICY_UPDATE)
 TAG = 3  # point-to-point tag of the exchange (gloo matches on it; NCCL orders sends instead)
+
+
+def check_separate_job(job, parallel: ParallelState) -> None:
+    """Raise ValueError for a ``value.placement: separate`` job (a `JobConfig`) that
+    `sao_megatron.trainer.controller.Controller` cannot run: a layout `split_roles` rejects
+    (tp/pp/ep/expert_tp != 1, an odd or 1-rank world) or a distributed optimiser (its state is
+    sharded over the DP ranks under replica ids of Megatron's global data-parallel group, which
+    spans both roles; not built)."""
+    check_separate_layout(parallel.world_size, parallel.cfg)
+    for name in ("policy_optim", "value_optim"):
+        if getattr(job, name).distributed_optimizer:
+            raise ValueError(
+                f"value.placement=separate does not support {name}.distributed_optimizer=true "
+                f"(its checkpoint shards are not split by role): set "
+                f"{name}.distributed_optimizer=false, or use value.placement=colocated"
+            )
 
 
 class PeerChannel:

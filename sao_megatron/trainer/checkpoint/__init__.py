@@ -63,7 +63,13 @@ _MODULES = {
         "validate_checkpoint",
     ),
     "rng": ("capture_rng_state", "restore_rng_state"),
-    "role_parts": ("set_replica_ids", "with_other_roles_parts"),
+    "role_parts": (
+        "ROLE_OF_PART",
+        "merge_from_value_ranks",
+        "role_split_parts",
+        "set_replica_ids",
+        "with_other_roles_parts",
+    ),
     "state": ("CommonState", "Stateful"),
 }
 __getattr__, __all__ = lazy_exports(__name__, _MODULES)

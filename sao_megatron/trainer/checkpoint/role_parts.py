@@ -17,15 +17,29 @@ checked in ``dist_checkpointing/validation.py`` and ``strategies/common.py``):
   state of each value part (sent from the first value rank) so it is written too.
 
 A rank passes ``{}`` for each part of the other role; dist_checkpointing saves and loads such
-ranks' empty shares without complaint (tested in tests/trainer/test_separate_job.py).
+ranks' empty shares without complaint. `role_split_parts` assembles a rank's parts for a save
+or a load; `merge_from_value_ranks` brings the value ranks' small state (LR schedulers) to the
+common state rank 0 saves. Tested in tests/trainer/test_separate_job.py (save, resume, and the
+four parts equal to a colocated run's, tensor for tensor).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from sao_megatron.parallel.roles import RoleLayout
+
+#: the parts of a role-split RL checkpoint and the role holding each
+ROLE_OF_PART = {
+    "policy": "policy",
+    "policy_optimizer": "policy",
+    "value": "value",
+    "value_optimizer": "value",
+}
 
 
 def set_replica_ids(sharded: dict, dp_rank: int) -> dict:
@@ -84,3 +98,26 @@ def with_other_roles_parts(
         else:
             out[name] = {}
     return out
+
+
+def role_split_parts(
+    parts: Mapping[str, dict], roles: RoleLayout, rank: int, *, loading: bool = False
+) -> dict[str, Any]:
+    """Every part of a role-split checkpoint for this rank (`ROLE_OF_PART`): its own `parts`
+    (fresh sharded state dicts, replica ids set to its role's DP rank) and the other role's as
+    ``{}``, or, saving on global rank 0, as their common state (`with_other_roles_parts`, a
+    collective when saving)."""
+    mine = {n: set_replica_ids(sd, roles.parallel.dp_rank) for n, sd in parts.items()}
+    first = {"policy": roles.policy_ranks[0], "value": roles.value_ranks[0]}
+    owners = {name: first[role] for name, role in ROLE_OF_PART.items()}
+    if loading:
+        return {n: mine.get(n, {}) for n in owners}
+    return with_other_roles_parts(mine, owners, rank=rank)
+
+
+def merge_from_value_ranks(obj: dict, roles: RoleLayout, rank: int) -> dict:
+    """Rank 0's `obj` updated with the first value rank's (e.g. the LR schedulers' states for
+    the common state rank 0 saves); `obj` unchanged on the other ranks. A collective."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=roles.value_ranks[0])
+    return obj | box[0] if rank == 0 else obj
