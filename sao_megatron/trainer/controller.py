@@ -25,20 +25,26 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from sao_megatron.algorithm import registry
 from sao_megatron.configs import to_yaml
+from sao_megatron.convert.hf_io import read_hf_config
 from sao_megatron.convert.spec import ConversionSpec
 from sao_megatron.data.batch import pack_trajectories
 from sao_megatron.data.chat_format import build_formatter
 from sao_megatron.data.demonstrations import demonstration_sequences
 from sao_megatron.models import build_policy
 from sao_megatron.parallel.collectives import broadcast_from_last_stage, broadcast_from_rank0
+from sao_megatron.parallel.roles import RoleLayout, split_roles
 from sao_megatron.parallel.state import ParallelState
 from sao_megatron.rollout import serve as remote
 from sao_megatron.rollout.engine import EngineClient, EngineError, EngineProcess
 from sao_megatron.rollout.manager import RolloutManager, Task
 from sao_megatron.trainer import report, runtime, signals
 from sao_megatron.trainer.checkpoint import CheckpointManager, CommonState, step_dir_name
+from sao_megatron.trainer.checkpoint.role_parts import merge_from_value_ranks, role_split_parts
+from sao_megatron.trainer.critic_placement import SeparateCriticStep, check_separate_job
 from sao_megatron.trainer.evaluate import evaluate
 from sao_megatron.trainer.job import JobConfig, TasksConfig
 from sao_megatron.trainer.metrics import (
@@ -89,12 +95,14 @@ class RLRunState:
 class RLParts:
     """What the RL stage runs with (built by `Controller.build_rl`).
 
-    step_fn: the RL step (its ``policy`` is the policy TrainState); states: name -> TrainState
-    of every model the checkpoint holds; checkpoints: the RL stage's CheckpointManager;
-    run: the run state; rollout: the rollout (rank 0 only, else None), not started.
+    step_fn: the RL step (its ``policy`` is the policy TrainState; a `SeparateCriticStep`
+    with ``value.placement: separate``, whose ``policy`` is None on the value ranks); states:
+    name -> TrainState of every model this rank holds and checkpoints; checkpoints: the RL
+    stage's CheckpointManager; run: the run state; rollout: the rollout (rank 0 only, else
+    None), not started.
     """
 
-    step_fn: RLStep
+    step_fn: RLStep | SeparateCriticStep
     states: dict[str, Any]
     checkpoints: CheckpointManager
     run: RLRunState
@@ -159,18 +167,24 @@ class Controller:
 
     `job` is not modified; `self.job` is the config the run trains with (see the module
     docstring), written to run_dir/config.yaml by rank 0.
+
+    ``value.placement: separate`` (docs/TRAINING.md "Critic placement"): constructing splits the
+    world into policy ranks [0, P) and value ranks [P, 2P) (`split_roles`, a collective). SFT
+    trains the policy on every rank (there is no critic yet); value pre-training and RL train
+    the policy on the policy ranks and the critic on the value ranks (`SeparateCriticStep`).
+    Raises ValueError for what that placement does not support (`check_separate_job`).
     """
 
     def __init__(self, job: JobConfig, parallel: ParallelState) -> None:
+        self.roles: RoleLayout | None = None
         if job.value.placement == "separate":
-            raise ValueError(
-                "value.placement=separate is available at the RLStep level only "
-                "(sao_megatron.trainer.critic_placement.SeparateCriticStep, docs/TRAINING.md "
-                "'Critic placement'): the job's rollout hands batches to the policy ranks one "
-                "step at a time and syncs weights from every rank, so it cannot feed a critic "
-                "that runs a batch ahead yet; set value.placement=colocated"
-            )
+            check_separate_job(job, parallel)
+            self.roles = split_roles(parallel)
         self.job, self.parallel = job, parallel
+        #: the parallel state the RL stage's models train with (the role's when separate)
+        self.train_parallel = self.roles.parallel if self.roles is not None else parallel
+        #: a value rank of ``value.placement: separate`` (holds the critic only in RL)
+        self.value_rank = self.roles is not None and not self.roles.is_policy
         self.algorithm = registry.build(job.algorithm)
         self.rank0 = parallel.rank == 0
         self.run_dir = Path(job.run_dir)
@@ -213,19 +227,28 @@ class Controller:
             )
         return parts
 
-    def _save(self, mgr, states: dict, common: CommonState) -> None:
-        common.extra["schedulers"] = {n: st.scheduler.state_dict() for n, st in states.items()}
+    def _save(self, mgr, states: dict, common: CommonState, split: bool = False) -> None:
+        """Save `states` (every rank holds them, or, `split`, each role its own)."""
+        schedulers = {n: st.scheduler.state_dict() for n, st in states.items()}
+        if split:  # rank 0 saves the common state: the critic's schedule from the value ranks
+            schedulers = merge_from_value_ranks(schedulers, self.roles, self.parallel.rank)
+        common.extra["schedulers"] = schedulers
+        parts = self._sharded_parts(states)
         mgr.save(
-            self._sharded_parts(states),
+            role_split_parts(parts, self.roles, self.parallel.rank) if split else parts,
             common,
             layout=self._layout(),
             run_config=to_yaml(self.job),
             tokenizer_files=sorted((self.run_dir / "tokenizer").glob("*")),
         )
 
-    def _load(self, mgr, path, states: dict):
+    def _load(self, mgr, path, states: dict, split: bool = False):
+        """Load `states` from `path` (`split`: each role its own parts, `role_split_parts`)."""
         optional = [f"{name}_optimizer" for name in states]
-        res = mgr.load(path, self._sharded_parts(states, loading=True), optional_parts=optional)
+        parts = self._sharded_parts(states, loading=True)
+        if split:
+            parts = role_split_parts(parts, self.roles, self.parallel.rank, loading=True)
+        res = mgr.load(path, parts, optional_parts=optional)
         schedulers = res.common.extra.get("schedulers", {})
         for name, st in states.items():
             if f"{name}_optimizer" in res.state_dicts:
@@ -298,9 +321,9 @@ class Controller:
         (collective: the weights are gathered; rank 0 waits, writes one safetensors file and
         syncs every engine to it). A restarted engine then loads `hf_dir`. None if none were
         started early."""
-        if not bool(broadcast_from_rank0(bool(self._early_engines))):
+        if not bool(self._broadcast_to_policy_ranks(bool(self._early_engines))):
             return None
-        weights = gather_hf_weights(policy_chunks, self.spec, self.parallel)
+        weights = gather_hf_weights(policy_chunks, self.spec, self.train_parallel)
         if weights is None:  # not rank 0: it took part in the gather
             return None
         for engine in self._early_engines:
@@ -310,6 +333,18 @@ class Controller:
         for engine in self._early_engines:
             engine.model_path = str(hf_dir)
         return list(self._early_engines)
+
+    def _broadcast_to_policy_ranks(self, obj):
+        """Rank 0's `obj` on every rank that holds the RL policy (the world, or the policy ranks
+        of a role split; the value ranks do not call it)."""
+        if self.roles is None:
+            return broadcast_from_rank0(obj)
+        group = self.train_parallel.model_group
+        if dist.get_world_size(group) == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=group)
+        return box[0]
 
     def _engine_urls_file(self) -> Path:
         return remote.resolve_urls_file(self.job.rollout, self.run_dir)
@@ -326,7 +361,7 @@ class Controller:
         `rollout.engine_urls_file`), serving `policy_chunks` as `version` (collective: the
         weights are gathered; rank 0 waits for the engines and loads the weights into them).
         None on the other ranks."""
-        weights = gather_hf_weights(policy_chunks, self.spec, self.parallel)
+        weights = gather_hf_weights(policy_chunks, self.spec, self.train_parallel)
         if weights is None:  # not rank 0: it took part in the gather
             return None
         urls = list(self.job.rollout.engine_urls)
@@ -441,35 +476,42 @@ class Controller:
 
     def build_rl(self, policy_chunks, resume_path) -> RLParts:
         """Models, optimisers, the RL step, run state and (on rank 0) the rollout, not started;
-        restored from `resume_path` when given. Exports the policy the engines will serve."""
-        job, p = self.job, self.parallel
+        restored from `resume_path` when given. Exports the policy the engines will serve.
+
+        With a role split (``value.placement: separate``) the policy ranks build the policy,
+        the value ranks the critic, from the same initial policy (`policy_chunks`, the SFT
+        checkpoint, the HF model or the seeded random init: `_value_trunk`); only the policy
+        ranks export and talk to the engines."""
+        job, p, rp = self.job, self.parallel, self.train_parallel
         if policy_chunks is None and resume_path is None and "sft" not in job.stages:
             sft = self._ckpt("sft").resolve_resume()  # start from a finished SFT stage if any
             if sft is not None:  # its weights only: RL has its own optimiser and LR schedule
                 policy_chunks = build_policy(job.model, p, job.precision)
                 self._ckpt("sft").load(sft, {"policy": policy_chunks[0].sharded_state_dict()})
-        policy = runtime.build_policy_state(job, p, job.policy_optim, init_from=policy_chunks)
-        # padding rows past the served vocabulary stay out of the trainer's softmax
-        runtime.mask_vocab_padding(policy.unwrapped, self.hf_config["vocab_size"], p)
-        value = None
-        if self.algorithm.needs_value_model:
-            value = runtime.build_value_state(job, p, policy.unwrapped)
-        step_fn = RLStep(
-            self.algorithm,
-            p,
-            policy,
-            value,
-            StepConfig(
-                micro_batch_size=job.rl.micro_batch_size,
-                max_staleness=job.rollout.max_staleness,
-                routing_replay=job.rollout.routing_replay,
-            ),
+        policy = value = None
+        if not self.value_rank:
+            policy = runtime.build_policy_state(job, rp, job.policy_optim, init_from=policy_chunks)
+            # padding rows past the served vocabulary stay out of the trainer's softmax
+            runtime.mask_vocab_padding(policy.unwrapped, self.hf_config["vocab_size"], rp)
+        if self.algorithm.needs_value_model and (self.roles is None or self.value_rank):
+            trunk = policy.unwrapped if policy is not None else self._value_trunk(policy_chunks)
+            value = runtime.build_value_state(job, rp, trunk)
+        step_cfg = StepConfig(
+            micro_batch_size=job.rl.micro_batch_size,
+            max_staleness=job.rollout.max_staleness,
+            routing_replay=job.rollout.routing_replay,
         )
-        states = {"policy": policy} | ({"value": value} if value else {})
+        if self.roles is not None:
+            step_fn = SeparateCriticStep(
+                self.algorithm, self.roles, policy=policy, value=value, step_cfg=step_cfg
+            )
+        else:
+            step_fn = RLStep(self.algorithm, p, policy, value, step_cfg)
+        states = ({"policy": policy} if policy else {}) | ({"value": value} if value else {})
         mgr, run, self.tasks = self._ckpt("rl"), RLRunState(), TaskStream(job.tasks)
         status_counts = None  # the rollout's episodes/<status> counts at the checkpoint
         if resume_path is not None:
-            common = self._load(mgr, resume_path, states).common
+            common = self._load(mgr, resume_path, states, split=self.roles is not None).common
             run.load_state_dict(common.extra["rl_run_state"])
             status_counts = common.extra.get(EPISODE_STATUS_KEY)  # absent in older checkpoints
             self.tasks.load_state_dict(common.data_cursor)
@@ -485,15 +527,16 @@ class Controller:
                     self.tasks.consumed,
                 )
         hf_dir = self.run_dir / "hf_policy"
-        export_hf(policy.unwrapped, self.spec, self.hf_config, self.tokenizer, p, hf_dir)
-        engines = self._adopt_engines(policy.unwrapped, hf_dir, run.policy_version)
-        rollout_cfg = job.rollout
-        if not job.rollout.launches_engines:  # remote engines: found, then given our weights
-            urls = self._attach_remote_engines(policy.unwrapped, hf_dir, run.policy_version)
-            if self.rank0:
-                rollout_cfg = dataclasses.replace(
-                    job.rollout, engine_urls=urls, engine_urls_file=None
-                )
+        engines, rollout_cfg = None, job.rollout
+        if policy is not None:  # the value ranks of a role split never own engine weights
+            export_hf(policy.unwrapped, self.spec, self.hf_config, self.tokenizer, rp, hf_dir)
+            engines = self._adopt_engines(policy.unwrapped, hf_dir, run.policy_version)
+            if not job.rollout.launches_engines:  # remote engines: found, then given our weights
+                urls = self._attach_remote_engines(policy.unwrapped, hf_dir, run.policy_version)
+                if self.rank0:
+                    rollout_cfg = dataclasses.replace(
+                        job.rollout, engine_urls=urls, engine_urls_file=None
+                    )
         rollout = None
         if self.rank0:  # a resumed run's engines serve the checkpoint's weights as its version
             rollout = RolloutManager(
@@ -509,6 +552,21 @@ class Controller:
             if status_counts is not None:  # counts continue across the resume
                 rollout.status_counters.load_state_dict(status_counts)
         return RLParts(step_fn=step_fn, states=states, checkpoints=mgr, run=run, rollout=rollout)
+
+    def _value_trunk(self, init_from) -> list:
+        """The initial policy chunks a value rank initialises the critic's trunk from: built and
+        filled exactly as `runtime.build_policy_state` does on a policy rank (the same random
+        draws, so a seeded init and the critic's head match the colocated run's), without its
+        optimiser."""
+        job = self.job
+        chunks = build_policy(job.model, self.train_parallel, job.precision)
+        if init_from is not None:
+            for new, old in zip(chunks, init_from, strict=True):
+                new.load_state_dict(old.state_dict())
+        elif job.init_from_hf is not None:
+            spec = ConversionSpec.from_hf_config(read_hf_config(job.init_from_hf))
+            runtime.init_policy_from_hf(chunks, job.init_from_hf, spec)
+        return chunks
 
     def rl_stage(self, policy_chunks, resume_path) -> None:
         rl = self.build_rl(policy_chunks, resume_path)
@@ -536,65 +594,120 @@ class Controller:
         with self._logger("value_pretrain", steps, run.value_pretrain_steps) as logger:
             while run.value_pretrain_steps < steps:
                 batch = self._next_batch(rl.rollout, run.policy_version)
-                run.value_pretrain_steps += 1
-                m = broadcast_from_last_stage(rl.step_fn.value_step(batch), self.parallel)
+                run.value_pretrain_steps += 1  # separate: the critic trains, the policy ranks
+                m = rl.step_fn.value_step(batch)  # receive its metrics
+                m = broadcast_from_last_stage(m, self.train_parallel)
                 logger.log(run.value_pretrain_steps, m | _episode_metrics(batch))
         self.summary["rl/value_pretrain_s"] = time.perf_counter() - self._clock
 
     def _rl_loop(self, rl: RLParts) -> dict[str, float]:
         """Per step: batch -> the algorithm's update schedule -> publish -> log -> checkpoint.
 
+        With a role split (`_separate_update`) the value ranks take part in every step's
+        collectives (batch hand-off, evaluation, stop and time-budget decisions, checkpoint) but
+        not in the weight sync. A stop signal or the time budget that arrives while the critic
+        has already trained on the next batch ends the stage one step later, after the policy
+        trained on it too, so a checkpoint always holds both models after the same step.
+
         Returns the last step's metrics.
         """
         job, run, step_fn, timer, m = self.job, rl.run, rl.step_fn, Timer(), {}
-        out_of_time = False
+        out_of_time = stop = False
+        ahead = None  # role split: (batch, bound) the critic trained on while the policy trained
         with self._logger("rl", job.rl.steps, run.step) as logger:
-            while run.step < job.rl.steps and not out_of_time:
+            while run.step < job.rl.steps and not (out_of_time and ahead is None):
+                value_done = ahead is not None  # this batch's value work ran ahead
                 with timer.phase("rollout"):
-                    batch = self._next_batch(rl.rollout, run.policy_version)
+                    batch, bound = ahead if value_done else self._pull(rl, run.policy_version)
                 reset_peak_memory()  # memory/peak_* below = this update's peak
-                bound = self._trained_bound(rl.rollout)
-                with timer.phase("train"):
-                    update = step_fn.start(batch, run.policy_version, max_staleness=bound)
-                    # SAO: value targets, value update x K, advantages, policy update
-                    for phase in self.algorithm.schedule:
-                        step_fn.run(phase, update)
-                    m = broadcast_from_last_stage(step_fn.finish(update), self.parallel)
+                if self.roles is None:
+                    with timer.phase("train"):
+                        update = step_fn.start(batch, run.policy_version, max_staleness=bound)
+                        # SAO: value targets, value update x K, advantages, policy update
+                        for phase in self.algorithm.schedule:
+                            step_fn.run(phase, update)
+                        m = broadcast_from_last_stage(step_fn.finish(update), self.parallel)
+                else:
+                    pull = not (stop or out_of_time) and self._pulls_ahead(rl)
+                    m, ahead = self._separate_update(rl, timer, batch, bound, value_done, pull)
+                    m["placement/value_ahead"] = float(value_done)
                 if bound is not None:
                     m["deviation/token_bound"] = float(bound)  # this batch's per-token bound
                 if rl.rollout is not None:  # the deviation controller (rollout.deviation_target)
                     m |= rl.rollout.observe_step(m)
                 mem = peak_memory_gib()
                 run.step, run.policy_version = run.step + 1, run.policy_version + 1
-                with timer.phase("sync"):
-                    m |= publish_policy(
-                        step_fn.policy.unwrapped,
-                        self.spec,
-                        self.parallel,
-                        rl.rollout,
-                        run.policy_version,
-                    )
+                if not self.value_rank:
+                    with timer.phase("sync"):
+                        m |= publish_policy(
+                            step_fn.policy.unwrapped,
+                            self.spec,
+                            self.train_parallel,
+                            rl.rollout,
+                            run.policy_version,
+                        )
                 if job.rl.eval_interval and run.step % job.rl.eval_interval == 0:
                     self._log_eval(run.step, self._evaluate(rl.rollout))
                 elapsed = time.perf_counter() - self._clock
-                if job.rl.time_budget_s:  # rank 0's clock decides for every rank
+                if job.rl.time_budget_s and not out_of_time:  # rank 0's clock decides for all
                     out_of_time = bool(broadcast_from_rank0(elapsed >= job.rl.time_budget_s))
                 m |= _episode_metrics(batch) | mem | {"time/rl_elapsed_s": elapsed}
                 m |= self._step_metrics(batch, timer.summary(), rl.rollout)
                 logger.log(run.step, m)
-                stop = signals.stop_requested()  # any rank got SIGTERM/SIGUSR1 (or the stop file)
-                if (
-                    stop
-                    or out_of_time
-                    or rl.checkpoints.should_save(run.step)
-                    or (run.step == job.rl.steps)
-                ):
+                # any rank got SIGTERM/SIGUSR1 (or the stop file); sticky until the stop
+                stop = signals.stop_requested() or stop
+                ending = (stop or out_of_time) and ahead is None
+                if ending or rl.checkpoints.should_save(run.step) or (run.step == job.rl.steps):
                     with timer.phase("checkpoint"):  # logged with the next step
                         self._save_rl(rl)
-                if stop:  # saved at this step; rl_stage's finally stops the engines
+                if stop and ahead is None:  # saved at this step; rl_stage's finally stops engines
                     ckpt = rl.checkpoints.save_dir / step_dir_name(run.step)
                     raise signals.StoppedBySignal(run.step, ckpt)
+        if self.roles is not None:
+            step_fn.flush()
         return m
+
+    def _pull(self, rl: RLParts, version: int) -> tuple:
+        """The next batch and its per-token bound on every rank (`_next_batch`,
+        `_trained_bound`; rank 0 pulls, the world receives)."""
+        return self._next_batch(rl.rollout, version), self._trained_bound(rl.rollout)
+
+    def _pulls_ahead(self, rl: RLParts) -> bool:
+        """Role split: whether this step hands out the next batch before the policy trains on
+        this one, so the critic trains on it meanwhile (the same decision on every rank).
+
+        Only asynchronously (rollout.max_staleness >= 1: the next batch is then sampled by the
+        policy before this update, within the bound of the version it is trained at), when a
+        next step exists and no checkpoint follows this step (a checkpoint holds both models
+        after the same step)."""
+        job, nxt = self.job, rl.run.step + 1
+        return (
+            job.rollout.max_staleness >= 1
+            and nxt < job.rl.steps
+            and not rl.checkpoints.should_save(nxt)
+        )
+
+    def _separate_update(self, rl, timer, batch, bound, value_done: bool, pull: bool):
+        """One update of a role split (`SeparateCriticStep`), the SAO order kept: the critic's
+        updates and advantages of `batch` (unless `value_done`), then, with `pull`, the next
+        batch handed to every rank and the critic's work on it while the policy ranks update
+        on `batch` with the advantages received. Returns (metrics of this rank for `batch`:
+        on the policy ranks the colocated step's keys, next (batch, bound) or None)."""
+        step_fn, version = rl.step_fn, rl.run.policy_version
+        m: dict[str, float] = {}
+        if self.value_rank and not value_done:
+            with timer.phase("train"):
+                m = step_fn.train_step(batch, version, max_staleness=bound)
+        ahead = None
+        if pull:
+            with timer.phase("rollout"):
+                ahead = self._pull(rl, version + 1)
+        with timer.phase("train"):
+            if self.value_rank and ahead is not None:
+                m = step_fn.train_step(ahead[0], version + 1, max_staleness=ahead[1])
+            elif not self.value_rank:
+                m = step_fn.train_step(batch, version, max_staleness=bound)
+        return m, ahead
 
     def _trained_bound(self, rollout) -> int | None:
         """The deviation controller's bound for the trained tokens of this batch (the buffer's
@@ -606,15 +719,16 @@ class Controller:
         return broadcast_from_rank0(bound)
 
     def _finish_rl(self, rl: RLParts, m: dict[str, float]) -> None:
-        """Export the final policy, evaluate it and fill the summary."""
-        export_hf(
-            rl.step_fn.policy.unwrapped,
-            self.spec,
-            self.hf_config,
-            self.tokenizer,
-            self.parallel,
-            self.run_dir / "hf_policy_final",
-        )
+        """Export the final policy (policy ranks), evaluate it and fill the summary."""
+        if not self.value_rank:
+            export_hf(
+                rl.step_fn.policy.unwrapped,
+                self.spec,
+                self.hf_config,
+                self.tokenizer,
+                self.train_parallel,
+                self.run_dir / "hf_policy_final",
+            )
         after = self._evaluate(rl.rollout)
         self._log_eval(rl.run.step, after)
         self.summary |= {f"after/{k}": v for k, v in after.items()}
@@ -631,6 +745,10 @@ class Controller:
         return out | (_rollout_metrics(rollout.stats()) if rollout else {})
 
     def _save_rl(self, rl: RLParts) -> None:
+        """The RL checkpoint (collective; with a role split each role saves its own model and
+        optimiser into the same step folder, `role_split_parts`)."""
+        if self.roles is not None:
+            rl.step_fn.flush()  # the critic's sends of this step are received
         common = CommonState(
             train_step=rl.run.step,
             policy_version=rl.run.policy_version,
@@ -643,7 +761,7 @@ class Controller:
                 ),
             },
         )
-        self._save(rl.checkpoints, rl.states, common)
+        self._save(rl.checkpoints, rl.states, common, split=self.roles is not None)
 
     def _next_batch(self, rollout, version):
         """The next training batch on every rank (rank 0 pulls it from the rollout)."""

@@ -30,10 +30,11 @@ Use on every rank, with the `RoleLayout` of `sao_megatron.parallel.roles.split_r
         metrics = step.train_step(batch, train_version=n)
     step.flush()
 
-Limits: the caller must hand both roles the same batches in the same order (the job's rollout
-does not do this yet: ``value.placement: separate`` is rejected by the job, see
-`sao_megatron.trainer.controller.Controller`); data parallelism only (`split_roles`); the value
-side's metrics reach the policy ranks, the policy's never reach the value ranks.
+Limits: the caller must hand both roles the same batches in the same order (the job does:
+`sao_megatron.trainer.controller.Controller` broadcasts every batch to both roles and, with
+rollout.max_staleness >= 1, hands out batch n+1 before the policy's update on batch n);
+data parallelism only (`split_roles`); the value side's metrics reach the policy ranks, the
+policy's never reach the value ranks.
 """
 
 from __future__ import annotations
@@ -48,13 +49,30 @@ import torch.distributed as dist
 from sao_megatron.algorithm.base import Algorithm, Phase
 from sao_megatron.data.batch import TrainBatch
 from sao_megatron.optim.builder import TrainState
-from sao_megatron.parallel.roles import RoleLayout
+from sao_megatron.parallel.roles import RoleLayout, check_separate_layout
+from sao_megatron.parallel.state import ParallelState
 from sao_megatron.trainer.rl_step import RLStep, StepConfig
 from sao_megatron.trainer.step_state import StepState
 
 #: phases the policy ranks run; the value ranks run the others (value phases and ADVANTAGES)
 POLICY_PHASES = (Phase.OLD_LOGPROBS, Phase.POLICY_UPDATE)
 TAG = 3  # point-to-point tag of the exchange (gloo matches on it; NCCL orders sends instead)
+
+
+def check_separate_job(job, parallel: ParallelState) -> None:
+    """Raise ValueError for a ``value.placement: separate`` job (a `JobConfig`) that
+    `sao_megatron.trainer.controller.Controller` cannot run: a layout `split_roles` rejects
+    (tp/pp/ep/expert_tp != 1, an odd or 1-rank world) or a distributed optimiser (its state is
+    sharded over the DP ranks under replica ids of Megatron's global data-parallel group, which
+    spans both roles; not built)."""
+    check_separate_layout(parallel.world_size, parallel.cfg)
+    for name in ("policy_optim", "value_optim"):
+        if getattr(job, name).distributed_optimizer:
+            raise ValueError(
+                f"value.placement=separate does not support {name}.distributed_optimizer=true "
+                f"(its checkpoint shards are not split by role): set "
+                f"{name}.distributed_optimizer=false, or use value.placement=colocated"
+            )
 
 
 class PeerChannel:
@@ -157,8 +175,13 @@ class SeparateCriticStep:
     def value(self) -> TrainState | None:
         return self.step.value
 
-    def train_step(self, batch: TrainBatch, train_version: int) -> dict[str, float]:
+    def train_step(
+        self, batch: TrainBatch, train_version: int, max_staleness: int | None = None
+    ) -> dict[str, float]:
         """One step on the global `batch` (the same on every rank, in the same order).
+
+        `max_staleness`: this batch's tighter per-token bound, as for `RLStep.start` (the same
+        on both roles).
 
         Value ranks: the value phases and ADVANTAGES, the send posted; returns the value side's
         metrics (``batch/*`` included). Policy ranks: receive this batch's advantages and value
@@ -169,7 +192,7 @@ class SeparateCriticStep:
         step = self.step
         if not self.roles.is_policy:
             self._on_event("value_start", index)
-            state = self.last_state = step.start(batch, train_version)
+            state = self.last_state = step.start(batch, train_version, max_staleness)
             for phase in self.algorithm.schedule:
                 if phase not in POLICY_PHASES:
                     step.run(phase, state)
@@ -181,7 +204,7 @@ class SeparateCriticStep:
             self.channel.wait(keep=1)
             self._on_event("value_sent", index)
             return metrics
-        state = self.last_state = step.start(batch, train_version)
+        state = self.last_state = step.start(batch, train_version, max_staleness)
         t0 = time.perf_counter()
         msg = self._receive("train", index)
         self.wait_s = time.perf_counter() - t0

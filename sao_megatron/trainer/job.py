@@ -164,9 +164,10 @@ class ValueModelConfig:
             and the value model and runs the whole schedule. "separate": the first half of the
             ranks trains the policy, the second half the value model, the value work of batch
             n+1 overlapping the policy update of batch n with the same numbers (docs/TRAINING.md,
-            "Critic placement"); only for algorithms with a value model, data parallelism only.
-            Available through `sao_megatron.trainer.critic_placement.SeparateCriticStep`; the
-            job (`sao-train`) does not run it yet and rejects it at start.
+            "Critic placement"); only for algorithms with a value model, data parallelism only
+            (an even world, tp = pp = ep = 1), no distributed optimiser. SFT trains on every
+            rank; the critic trains on batch n+1 during the policy's update on batch n only
+            when rollout.max_staleness >= 1 (synchronously the roles alternate).
     """
 
     freeze_patterns: list[str] = field(default_factory=lambda: list(VALUE_DEFAULT_FREEZE_PATTERNS))

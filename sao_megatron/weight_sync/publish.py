@@ -84,7 +84,9 @@ def export_hf(
 
     Rank 0 writes ``config.json`` (``hf_config``), sharded safetensors with an index, and the
     tokenizer under ``sao_tokenizer/``, atomically (temporary folder, then rename; an existing
-    folder is replaced); all ranks leave once it is written.
+    folder is replaced); all ranks leave once it is written. "All ranks" are those of
+    ``parallel.model_group`` (the world, or the policy ranks of ``value.placement: separate``,
+    whose value ranks do not call it).
     """
     weights = gather_hf_weights(policy_chunks, spec, parallel)
     if weights is not None:
@@ -92,5 +94,6 @@ def export_hf(
             write_sharded_safetensors(iter(weights.items()), tmp)
             (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
             save_tokenizer(tokenizer, str(tmp / "sao_tokenizer"))
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    group = parallel.model_group
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.barrier(group=group)

@@ -220,7 +220,7 @@ def test_separate_critic_needs_a_value_model(parallel_1rank):
         step.run(Phase.POLICY_UPDATE, state)
 
 
-def test_value_placement_config():
+def test_value_placement_config(parallel_1rank):
     from sao_megatron.configs import load_config
     from sao_megatron.trainer.controller import Controller
     from sao_megatron.trainer.job import JobConfig
@@ -236,6 +236,6 @@ def test_value_placement_config():
             None,
             ["value.placement=separate", "algorithm.name=grpo", "stages=[sft,rl]"],
         )
-    # the job does not run a separate critic yet: rejected before anything starts
-    with pytest.raises(ValueError, match="value.placement=separate is available at the RLStep"):
-        Controller(job, parallel=None)
+    # the job runs a separate critic (tests/trainer/test_separate_job.py), not on one rank
+    with pytest.raises(ValueError, match="value.placement=separate splits.*world size 1"):
+        Controller(job, parallel_1rank)

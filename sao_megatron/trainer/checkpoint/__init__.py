@@ -33,7 +33,8 @@ The rollout buffer is not saved: trajectories are regenerated from the task curs
 
 Modules: `config` (CheckpointConfig), `errors`, `state` (Stateful, CommonState), `rng`, `io`
 (fsync, atomic writes, sha256), `manifest` (layout on disk, validation, compatibility),
-`collectives` (rank-0 broadcast/gather/barrier), `manager` (CheckpointManager).
+`collectives` (rank-0 broadcast/gather/barrier), `manager` (CheckpointManager), `role_parts`
+(the parts of a world split into policy and value ranks, ``value.placement: separate``).
 
 Files hold pickles (``torch.load(weights_only=False)``): load only checkpoints you trust.
 """
@@ -62,6 +63,13 @@ _MODULES = {
         "validate_checkpoint",
     ),
     "rng": ("capture_rng_state", "restore_rng_state"),
+    "role_parts": (
+        "ROLE_OF_PART",
+        "merge_from_value_ranks",
+        "role_split_parts",
+        "set_replica_ids",
+        "with_other_roles_parts",
+    ),
     "state": ("CommonState", "Stateful"),
 }
 __getattr__, __all__ = lazy_exports(__name__, _MODULES)
