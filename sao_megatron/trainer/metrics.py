@@ -41,6 +41,8 @@ STANDARD_METRICS: dict[str, str] = {
     "loss/policy": "policy (DIS or PPO-clip) loss",
     "loss/value": "clipped value loss",
     "value/explained_variance": "1 - Var(R - V) / Var(R)",
+    "placement/value_ahead": "1: this step's value work ran during the previous step "
+    "(value.placement=separate only)",
     "deviation/abs_one_minus_ratio_mean": "mean |1 - r_t| over action tokens (target < 0.05)",
     "deviation/mismatch_kl": "E[l_b - l_theta], nats/token",
     "deviation/k3": "k3 KL estimator, nats/token",
