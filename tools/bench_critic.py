@@ -71,6 +71,35 @@ VARIANTS: dict[str, tuple[list[str], tuple[str, str]]] = {
 }
 SECTION = "Critic explained variance"
 
+#: the Hanoi plan study (`--study plan`, examples/configs/hanoi_plan.yaml): the config's own
+#: critic (head init 0, lr 5e-4 with 10 warm-up steps, value clip 0.2, attention and embeddings
+#: frozen), the progress reward and terminal budget end the config trains with
+PLAN_VARIANTS: dict[str, tuple[list[str], tuple[str, str]]] = {
+    "config critic (attention frozen)": ([], ("progress", "terminate")),
+    "attention trainable": (["value.freeze_patterns=[embedding]"], ("progress", "terminate")),
+    "nothing frozen": (["value.freeze_patterns=[]"], ("progress", "terminate")),
+    "attention trainable, lr 2e-3": (
+        ["value.freeze_patterns=[embedding]", "value_optim.lr=2.0e-3"],
+        ("progress", "terminate"),
+    ),
+    "attention frozen, lr 2e-3": (["value_optim.lr=2.0e-3"], ("progress", "terminate")),
+    "attention trainable, value updates 8": (
+        ["value.freeze_patterns=[embedding]", "algorithm.sao.value_updates_per_policy_update=8"],
+        ("progress", "terminate"),
+    ),
+}
+
+#: study -> (base overrides of every variant, variants, docs section, plot file)
+STUDIES = {
+    "quickstart": (BASE, VARIANTS, SECTION, "bench_critic.png"),
+    "plan": ([], PLAN_VARIANTS, "Critic explained variance (Hanoi plans)", "bench_critic_plan.png"),
+}
+
+
+def study(args) -> tuple[list[str], dict, str, str]:
+    """(base overrides, variants, section, plot file name) of ``--study``."""
+    return STUDIES[args.study]
+
 
 def _slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_")
@@ -302,8 +331,9 @@ def fit(args, out: Path, name: str, batches) -> Path:
     path = out / "fit" / f"{_slug(name)}.jsonl"
     if path.exists():
         return path
-    overrides, mode = VARIANTS[name]
-    job = _job(args.config, out / "collect", [*BASE, *overrides, *args.overrides])
+    base, variants, _, _ = study(args)
+    overrides, mode = variants[name]
+    job = _job(args.config, out / "collect", [*base, *overrides, *args.overrides])
     factor = float(job.tasks.train[0].options.get("max_steps_factor", 1.0))
     c = Controller(job, _parallel(job))
     c.prepare()
@@ -441,14 +471,15 @@ def tabular_ceiling(batches, heldout: int, mode, factor: float) -> float:
 
 # ---------------------------------------------------------------------------- RL runs
 def rl_run(args, sft: Path, out: Path, name: str) -> Path:
-    overrides, mode = VARIANTS[name]
+    base, variants, _, _ = study(args)
+    overrides, mode = variants[name]
     run_dir = out / "rl" / _slug(name)
     seed_from_sft(sft, run_dir)
     env = json.loads(collect_overrides(_job(args.config, run_dir, []))[0].split("=", 1)[1])
     for e in env:
         e["options"] |= {"reward_mode": mode[0], "budget_end": mode[1]}
     job_overrides = [
-        *BASE,
+        *base,
         *overrides,
         *args.overrides,
         "stages=[value_pretrain,rl]",
@@ -492,7 +523,13 @@ def read_fit(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def plot(fits: dict[str, list[dict]], rls: dict[str, dict], ceiling: float, path: Path) -> None:
+def plot(
+    fits: dict[str, list[dict]],
+    rls: dict[str, dict],
+    ceiling: float,
+    path: Path,
+    batch_size: int = 16,
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -508,7 +545,7 @@ def plot(fits: dict[str, list[dict]], rls: dict[str, dict], ceiling: float, path
         ax.axhline(ceiling, color="k", ls="--", lw=1, label=f"tabular MC critic ({ceiling:.2f})")
     ax.axhline(0.3, color="grey", ls=":", lw=1)
     ax.set_ylim(-0.5, 0.6)
-    ax.set_xlabel("value pre-training step (one fresh batch of 16 episodes each)")
+    ax.set_xlabel(f"value pre-training step (one fresh batch of {batch_size} episodes each)")
     ax.set_ylabel("held-out explained variance")
     ax.set_title("value pre-training on the same rollouts (held-out, pooled)")
     ax.legend(fontsize=7)
@@ -538,8 +575,11 @@ def _f(x, fmt="{:.2f}"):
 
 
 def section(args, info, fits, rls, ceiling, collect_s, n_traj) -> str:
+    per = n_traj // max(args.batches, 1)
+    plot_file = study(args)[3]
     cmd = (
-        f"python tools/bench_critic.py --config {args.config} --sampler {args.sampler} "
+        f"python tools/bench_critic.py --study {args.study} --config {args.config} "
+        f"--sampler {args.sampler} "
         f"--batches {args.batches} --steps {args.steps} --heldout {args.heldout} "
         f"--eval-every {args.eval_every} --write"
     )
@@ -551,7 +591,7 @@ def section(args, info, fits, rls, ceiling, collect_s, n_traj) -> str:
         machine_line(info),
         "",
         f"Config `{args.config}`. Rollouts: {n_traj} episodes of the frozen SFT policy "
-        f"({args.batches} batches of 16, sampled once in {collect_s:.0f} s with "
+        f"({args.batches} batches of {per}, sampled once in {collect_s:.0f} s with "
         f"`--sampler {args.sampler}`); value pre-training step k trains on batch k (K = 2 value "
         "updates, `RLStep.value_step`); "
         f"held-out EV: the last {args.heldout} batches pooled, never trained on. 'EV true "
@@ -597,7 +637,7 @@ def section(args, info, fits, rls, ceiling, collect_s, n_traj) -> str:
                 f"{_f(f['success_before'], '{:.3f}')} -> {_f(f['success_after'], '{:.3f}')} |"
             )
         lines.append("")
-    lines += ["![critic explained variance](img/bench_critic.png)", "", benchlib.READING]
+    lines += [f"![critic explained variance](img/{plot_file})", "", benchlib.READING]
     return "\n".join(lines)
 
 
@@ -609,7 +649,13 @@ def main() -> None:
     ap.add_argument("--heldout", type=int, default=8, help="last batches kept for evaluation")
     ap.add_argument("--steps", type=int, default=60, help="value pre-training steps per variant")
     ap.add_argument("--eval-every", type=int, default=5)
-    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    ap.add_argument(
+        "--study",
+        choices=list(STUDIES),
+        default="quickstart",
+        help="variant set: quickstart (the first study) or plan (hanoi_plan.yaml's critic)",
+    )
+    ap.add_argument("--variants", nargs="*", default=None, help="default: every variant")
     ap.add_argument("--rl-variants", nargs="*", default=[])
     ap.add_argument("--rl-pretrain-steps", type=int, default=50)
     ap.add_argument("--rl-steps", type=int, default=25)
@@ -624,6 +670,12 @@ def main() -> None:
     ap.add_argument("--write", action="store_true", help="rewrite the docs/BENCHMARKS.md section")
     ap.add_argument("overrides", nargs="*", help="job overrides for every fit and RL run")
     args = ap.parse_args()
+    base, variants, section_name, plot_file = study(args)
+    if args.variants is None:
+        args.variants = list(variants)
+    unknown = [v for v in [*args.variants, *args.rl_variants] if v not in variants]
+    if unknown:
+        ap.error(f"--variants/--rl-variants {unknown}: --study {args.study} has {list(variants)}")
     if args.steps + args.heldout > args.batches:
         ap.error("--steps + --heldout must not exceed --batches (each step needs a fresh batch)")
     out = REPO / args.out
@@ -647,7 +699,7 @@ def main() -> None:
         rl_run(args, sft, out, name)
     if "report" in want:
         fits = {}
-        for n in VARIANTS:
+        for n in variants:
             done, part = out / "fit" / f"{_slug(n)}.jsonl", out / "fit" / f"{_slug(n)}.partial"
             if done.exists():
                 fits[n] = read_fit(done)
@@ -656,19 +708,20 @@ def main() -> None:
                 fits[f"{n} (stopped at step {recs[-1]['step']})"] = recs
         rls = {
             n: rl_figures(d)
-            for n in VARIANTS
+            for n in variants
             if ((d := out / "rl" / _slug(n)) / "summary.json").exists()
         }
         job = _job(args.config, out / "collect", [])
         factor = float(job.tasks.train[0].options.get("max_steps_factor", 1.0))
-        ceiling = tabular_ceiling(data["batches"], args.heldout, ("success", "terminate"), factor)
+        reward_mode = next(iter(variants.values()))[1][0]
+        ceiling = tabular_ceiling(data["batches"], args.heldout, (reward_mode, "terminate"), factor)
         n_traj = sum(len(b) for b in data["batches"])
-        plot(fits, rls, ceiling, REPO / "docs" / "img" / "bench_critic.png")
+        plot(fits, rls, ceiling, REPO / "docs" / "img" / plot_file, n_traj // args.batches)
         body = section(args, info, fits, rls, ceiling, data["seconds"], n_traj)
         (out / "section.md").write_text(body)
         print(body)
         if args.write:
-            benchlib.write_section(SECTION, body)
+            benchlib.write_section(section_name, body)
     if _PARALLEL is not None:
         from sao_megatron.parallel import destroy_parallel
 

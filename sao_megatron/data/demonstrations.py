@@ -30,6 +30,11 @@ class DemonstrationConfig:
             environments with `noisy_gold_action` (Hanoi); others always act gold. In [0, 1).
         train_on_noise: also put the wrong actions under the loss (default False: they are
             context only, the model learns the recovery that follows them).
+        opening_episodes: extra episodes per environment of which only the first
+            `opening_turns` moves are played and kept (>= 0, default 0). A long episode gives
+            one row whose context is the prompt alone (window contexts), so a long-horizon
+            warm-up sees its first move once in H rows; these episodes oversample it.
+        opening_turns: moves kept of each opening episode (>= 1, default 1).
     """
 
     envs: list[EnvSpec] = field(
@@ -39,6 +44,8 @@ class DemonstrationConfig:
     seed: int = 0
     noise_epsilon: float = 0.0
     train_on_noise: bool = False
+    opening_episodes: int = 0
+    opening_turns: int = 1
 
     def __post_init__(self) -> None:
         self.envs = [e if isinstance(e, EnvSpec) else EnvSpec(**e) for e in self.envs]
@@ -49,6 +56,14 @@ class DemonstrationConfig:
         if not (0.0 <= self.noise_epsilon < 1.0):
             raise ValueError(
                 f"demonstrations.noise_epsilon={self.noise_epsilon}: must be in [0, 1)"
+            )
+        if not (isinstance(self.opening_episodes, int) and self.opening_episodes >= 0):
+            raise ValueError(
+                f"demonstrations.opening_episodes={self.opening_episodes!r}: must be an int >= 0"
+            )
+        if not (isinstance(self.opening_turns, int) and self.opening_turns >= 1):
+            raise ValueError(
+                f"demonstrations.opening_turns={self.opening_turns!r}: must be an int >= 1"
             )
 
 
@@ -95,10 +110,17 @@ class Demonstration:
 
 
 def run_demonstration(
-    env: Environment, seed: int, *, noise_epsilon: float = 0.0, episode_task_id: str | None = None
+    env: Environment,
+    seed: int,
+    *,
+    noise_epsilon: float = 0.0,
+    episode_task_id: str | None = None,
+    max_turns: int | None = None,
 ) -> Demonstration:
     """Play one episode of `env` with its gold policy (noisy-gold if noise_epsilon > 0 and the
-    env has `noisy_gold_action(rng, epsilon)`). Raises TypeError if the env has no gold policy."""
+    env has `noisy_gold_action(rng, epsilon)`), for at most `max_turns` moves (None: until the
+    episode ends; a cut episode is `truncated`). Raises TypeError if the env has no gold
+    policy."""
     if not isinstance(env, SupportsGoldAction):
         raise TypeError(
             f"environment {env.name!r} has no gold_action(): it cannot produce demonstrations"
@@ -110,7 +132,8 @@ def run_demonstration(
     is_gold: list[bool] = []
     rewards: list[float] = []
     result = None
-    for _ in range(env.max_steps):
+    turns = env.max_steps if max_turns is None else min(env.max_steps, max_turns)
+    for _ in range(turns):
         if noisy:
             action, gold = env.noisy_gold_action(rng, noise_epsilon)  # type: ignore[attr-defined]
         else:
@@ -119,7 +142,7 @@ def run_demonstration(
         actions.append(action)
         is_gold.append(gold)
         rewards.append(result.reward)
-        if result.done or result.truncated:
+        if result.done or result.truncated or len(actions) == max_turns:
             break
         observations.append(result.observation)
     assert result is not None, "max_steps >= 1"
@@ -153,12 +176,21 @@ def episode_seeds(base_seed: int, env_index: int, num_episodes: int) -> list[int
     return [rng.randrange(2**31) for _ in range(num_episodes)]
 
 
+def opening_seeds(base_seed: int, env_index: int, num_episodes: int) -> list[int]:
+    """Seeds of the opening episodes of one environment (a stream of their own, so adding
+    openings leaves the full demonstrations unchanged)."""
+    rng = random.Random(f"demo-opening:{base_seed}:{env_index}")
+    return [rng.randrange(2**31) for _ in range(num_episodes)]
+
+
 def generate_demonstrations(config: DemonstrationConfig) -> list[Demonstration]:
-    """`config.num_episodes` demonstrations per environment, in config order (deterministic).
+    """`config.num_episodes` demonstrations per environment, in config order (deterministic),
+    each environment's `config.opening_episodes` openings (its first `opening_turns` moves)
+    after its full episodes.
 
     Environments with a gold policy (`SupportsGoldAction`) are played by it; agents
     (`SupportsDemonstration`) give their gold conversations (`AgentDemonstration`s, which have
-    the same ``text``/``to_sft_sequences`` methods)."""
+    the same ``text``/``to_sft_sequences`` methods) and take no openings."""
     out = []
     for j, spec in enumerate(config.envs):
         env = spec.build()
@@ -172,6 +204,21 @@ def generate_demonstrations(config: DemonstrationConfig) -> list[Demonstration]:
                     s,
                     noise_epsilon=config.noise_epsilon,
                     episode_task_id=task_id(spec.name, s),
+                )
+            )
+        if config.opening_episodes and isinstance(env, SupportsDemonstration):
+            raise ValueError(
+                f"demonstrations.opening_episodes={config.opening_episodes}: environment "
+                f"{spec.name!r} is an agent (gold conversations only); set it to 0"
+            )
+        for s in opening_seeds(config.seed, j, config.opening_episodes):
+            out.append(
+                run_demonstration(
+                    env,
+                    s,
+                    noise_epsilon=config.noise_epsilon,
+                    episode_task_id=task_id(spec.name, s),
+                    max_turns=config.opening_turns,
                 )
             )
     return out

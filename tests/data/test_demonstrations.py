@@ -98,3 +98,33 @@ def test_config_errors_and_envs_without_gold():
 
     with pytest.raises(TypeError, match="no gold_action"):
         run_demonstration(NoGold(), 0)
+
+
+def test_opening_episodes_add_first_moves_and_leave_full_episodes_unchanged():
+    spec = EnvSpec(name="hanoi", options={"horizon": 25, "start": "random", "extra_disks": 1})
+    base = generate_demonstrations(DemonstrationConfig(envs=[spec], num_episodes=3, seed=1))
+    cfg = DemonstrationConfig(envs=[spec], num_episodes=3, seed=1, opening_episodes=4)
+    demos = generate_demonstrations(cfg)
+    assert _key(demos[:3]) == _key(base)  # the full episodes are the same
+    openings = demos[3:]
+    assert len(openings) == 4
+    for d in openings:
+        assert len(d.actions) == 1 and len(d.observations) == 1 and d.truncated
+        assert not d.terminated and d.is_gold == [True]
+        # the opening's first move is the full gold episode's first move from the same seed
+        full = run_demonstration(make_env("hanoi", **spec.options), d.seed)
+        assert d.actions == full.actions[:1] and d.observations == full.observations[:1]
+    assert len({d.task_id for d in openings}) == 4
+    three = generate_demonstrations(
+        DemonstrationConfig(envs=[spec], num_episodes=1, opening_episodes=2, opening_turns=3)
+    )
+    assert [len(d.actions) for d in three] == [25, 3, 3]
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [({"opening_episodes": -1}, "opening_episodes"), ({"opening_turns": 0}, "opening_turns")],
+)
+def test_opening_config_errors_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"demonstrations.{field}"):
+        DemonstrationConfig(**kwargs)
