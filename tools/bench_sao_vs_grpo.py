@@ -91,6 +91,13 @@ def main(argv=None) -> int:
         help="which algorithms to run, interleaved per repeat (default: sao grpo)",
     )
     ap.add_argument("--first-seed", type=int, default=0, help="repeat r uses seed first_seed + r")
+    ap.add_argument(
+        "--eval-interval-s",
+        type=float,
+        default=0.0,
+        help="held-out evaluation every this many seconds of training (rl.eval_interval_s, off "
+        "the budget's clock): the time-to-accuracy curves (0: before and after RL only)",
+    )
     ap.add_argument("--write", action="store_true", help="update docs/BENCHMARKS.md")
     ap.add_argument("override", nargs="*", help="extra section.field=value for every job")
     args = ap.parse_args(argv)
@@ -109,6 +116,8 @@ def main(argv=None) -> int:
             run_dir = out / f"{algo}_r{r}"
             seed_from_sft(sft, run_dir)
             ov = benchlib.rl_overrides(args.override, args.budget_s, args.num_eval_tasks, r)
+            if args.eval_interval_s:
+                ov.append(f"rl.eval_interval_s={args.eval_interval_s:g}")
             run_job(args.config, ov + algo_overrides(algo, args.group_size, has_vp, base), run_dir)
             runs[algo].append(run_figures(run_dir, f"{algo} r{r}"))
 
@@ -130,7 +139,7 @@ def main(argv=None) -> int:
             flags.append("--algorithms " + " ".join(args.algorithms))
         if args.first_seed:
             flags.append(f"--first-seed {args.first_seed}")
-        for name in ("config", "group_size", "num_eval_tasks", "out", "section"):
+        for name in ("config", "group_size", "num_eval_tasks", "eval_interval_s", "out", "section"):
             value = getattr(args, name)
             if value != ap.get_default(name):
                 text = f'"{value}"' if " " in str(value) else str(value)
@@ -201,12 +210,81 @@ def render_table(runs: dict[str, list[RunFigures]], args) -> str:
         lines.append(
             f"| held-out {env} success after RL, pooled over repeats | " + " | ".join(cells) + " |"
         )
+        key = f"eval/{env}/success_rate"
+        lines.append(
+            f"| held-out {env} success after RL, mean ± s.e. over seeds | "
+            + " | ".join(mean_se([f.after.get(key) for f in runs[a]]) for a in runs)
+            + " |"
+        )
+        for stat in ("illegal_move_rate", "non_optimal_move_rate"):
+            k = f"eval/{env}/{stat}"
+            if k in first.after:
+                label = f"held-out {env} {stat.replace('_', ' ')} after RL, mean ± s.e."
+                lines.append(
+                    f"| {label} | "
+                    + " | ".join(mean_se([f.after.get(k) for f in runs[a]], "{:.4f}") for a in runs)
+                    + " |"
+                )
+    if any(f.ev_curve for fs in runs.values() for f in fs):
+        lines.append(
+            "| critic explained variance before the updates, last 5 RL steps (mean over seeds) | "
+            + " | ".join(
+                mean_se([_tail_mean([e for _, e in f.ev_curve], 5) for f in runs[a]])
+                if any(f.ev_curve for f in runs[a])
+                else "-"
+                for a in runs
+            )
+            + " |"
+        )
     return "\n".join(lines)
+
+
+def _tail_mean(xs: list[float], k: int) -> float | None:
+    xs = [x for x in xs[-k:] if x == x]
+    return sum(xs) / len(xs) if xs else None
+
+
+def mean_se(xs: list[float | None], fmt: str = "{:.3f}") -> str:
+    """'mean ± s.e. (n = k)' of the values that are not None/NaN; s.e. = sample std / sqrt(k)."""
+    v = [float(x) for x in xs if x is not None and x == x]
+    if not v:
+        return "-"
+    m = sum(v) / len(v)
+    if len(v) < 2:
+        return f"{fmt.format(m)} (n = 1)"
+    se = math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1) / len(v))
+    return f"{fmt.format(m)} ± {fmt.format(se)} (n = {len(v)})"
 
 
 def _repeats(runs) -> str:
     n = len(next(iter(runs.values())))
     return f"{n} repeats each" if n > 1 else "one run each"
+
+
+def _plot_time_to_accuracy(ax, runs: dict[str, list[RunFigures]], colours: dict) -> None:
+    """Held-out success against the RL stage's clock: each run thin, the mean over runs (each
+    run's last evaluation carried forward, up to the shortest run's end) thick."""
+    for algo, figs in runs.items():
+        curves = [f.eval_curve for f in figs if f.eval_curve]
+        for c in curves:
+            xs, ys = zip(*c, strict=True)
+            ax.step(xs, ys, where="post", color=colours[algo], alpha=0.25, lw=0.8)
+        if not curves:
+            continue
+        end = min(c[-1][0] for c in curves)
+        grid = sorted({t for c in curves for t, _ in c if t <= end})
+        mean = [sum(_at(c, t) for c in curves) / len(curves) for t in grid]
+        ax.step(grid, mean, where="post", color=colours[algo], lw=2.2, label=NAMES[algo])
+    ax.set(
+        xlabel="wall-clock since RL start (s, evaluations off the clock)",
+        ylabel="held-out success rate",
+        title="Time to accuracy (mean over seeds, thick)",
+    )
+
+
+def _at(curve: list[tuple[float, float]], t: float) -> float:
+    """The curve's value at time t (the last point at or before t)."""
+    return [y for x, y in curve if x <= t][-1]
 
 
 def plot_curves(runs: dict[str, list[RunFigures]], path: Path, args) -> None:
@@ -215,8 +293,24 @@ def plot_curves(runs: dict[str, list[RunFigures]], path: Path, args) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    timed = any(len(f.eval_curve) > 2 for fs in runs.values() for f in fs)
+    fig, axes = plt.subplots(1, 4 if timed else 2, figsize=(22 if timed else 11, 4))
     colours = {"sao": "tab:blue", "grpo": "tab:orange", "grpo_dis": "tab:green"}
+    if timed:
+        _plot_time_to_accuracy(axes[2], runs, colours)
+        for i, f in enumerate(runs.get("sao", [])):
+            if f.ev_curve:
+                xs, ys = zip(*f.ev_curve, strict=True)
+                axes[3].plot(
+                    xs, ys, color=colours["sao"], alpha=0.7, label="SAO" if i == 0 else None
+                )
+        axes[3].axhline(0.3, color="grey", ls=":", lw=1)
+        axes[3].set(
+            xlabel="wall-clock since RL start (s)",
+            ylabel="explained variance (before the step's updates)",
+            title="SAO critic",
+            ylim=(-0.5, 1.0),
+        )
     for algo, figs in runs.items():
         for i, f in enumerate(figs):
             xs, ys = benchlib.smooth(f.curve, 5)

@@ -192,6 +192,11 @@ class RunFigures:
     after: dict[str, float]
     curve: list[tuple[float, float]] = field(default_factory=list)  # (elapsed s, reward/mean)
     deviation_curve: list[tuple[float, float]] = field(default_factory=list)
+    # (elapsed s, held-out eval/success_rate): before RL at 0, rl.eval_interval(_s) evaluations
+    # at the stage's clock, the final one at the last step's
+    eval_curve: list[tuple[float, float]] = field(default_factory=list)
+    # (elapsed s, value/explained_variance_before) per RL step (critics only)
+    ev_curve: list[tuple[float, float]] = field(default_factory=list)
 
 
 def run_figures(run_dir: Path, name: str) -> RunFigures:
@@ -231,7 +236,35 @@ def run_figures(run_dir: Path, name: str) -> RunFigures:
             for r in recs
             if r.get("deviation/abs_one_minus_ratio_mean") is not None
         ],
+        eval_curve=eval_curve(run_dir, wall),
+        ev_curve=[
+            (r["time/rl_elapsed_s"], r["value/explained_variance_before"])
+            for r in recs
+            if r.get("value/explained_variance_before") is not None
+        ],
     )
+
+
+def eval_curve(run_dir: Path, wall_s: float) -> list[tuple[float, float]]:
+    """Held-out success against the RL stage's clock from run_dir/rl/eval.jsonl: the
+    before-RL evaluation at 0 s, evaluations during RL at their ``time/rl_elapsed_s``, the
+    final one (the last record without a clock reading) at `wall_s`."""
+    path = run_dir / "rl" / "eval.jsonl"
+    if not path.exists():
+        return []
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = []
+    for i, r in enumerate(recs):
+        if "eval/success_rate" not in r:
+            continue
+        if "time/rl_elapsed_s" in r:
+            t = r["time/rl_elapsed_s"]
+        elif i == 0 and r.get("step") == 0:
+            t = 0.0
+        else:
+            t = wall_s
+        out.append((float(t), float(r["eval/success_rate"])))
+    return out
 
 
 def _mean(xs) -> float:

@@ -580,6 +580,7 @@ class Controller:
                     report.update_summary(self.run_dir, self.summary)
                 self._log_eval(0, before)
             self._clock = time.perf_counter()  # rl.time_budget_s counts value pre-training and RL
+            self._eval_s = self._last_eval_s = 0.0  # evaluations during RL: off the clock
             self._value_pretrain(rl)
             if "rl" in self.job.stages:
                 self._finish_rl(rl, self._rl_loop(rl))
@@ -646,9 +647,18 @@ class Controller:
                             rl.rollout,
                             run.policy_version,
                         )
-                if job.rl.eval_interval and run.step % job.rl.eval_interval == 0:
-                    self._log_eval(run.step, self._evaluate(rl.rollout))
-                elapsed = time.perf_counter() - self._clock
+                elapsed = time.perf_counter() - self._clock - self._eval_s
+                by_step = job.rl.eval_interval and run.step % job.rl.eval_interval == 0
+                # rank 0's clock decides for all (evaluation is collective)
+                by_time = bool(job.rl.eval_interval_s) and broadcast_from_rank0(
+                    elapsed - self._last_eval_s >= job.rl.eval_interval_s
+                )
+                if by_step or by_time:
+                    t_eval = time.perf_counter()
+                    metrics = self._evaluate(rl.rollout)
+                    self._log_eval(run.step, metrics | {"time/rl_elapsed_s": elapsed})
+                    self._eval_s += time.perf_counter() - t_eval  # not on the stage's clock
+                    self._last_eval_s = elapsed
                 if job.rl.time_budget_s and not out_of_time:  # rank 0's clock decides for all
                     out_of_time = bool(broadcast_from_rank0(elapsed >= job.rl.time_budget_s))
                 m |= _episode_metrics(batch) | mem | {"time/rl_elapsed_s": elapsed}
@@ -734,7 +744,8 @@ class Controller:
         self.summary |= {f"after/{k}": v for k, v in after.items()}
         self.summary |= {k: v for k, v in m.items() if k.startswith(("deviation/", "throughput/"))}
         self.summary["rl/steps_done"] = float(rl.run.step)
-        self.summary["rl/wall_s"] = time.perf_counter() - self._clock
+        self.summary["rl/wall_s"] = time.perf_counter() - self._clock - self._eval_s
+        self.summary["rl/eval_during_s"] = self._eval_s
 
     def _step_metrics(self, batch, times: dict[str, float], rollout) -> dict[str, float]:
         out = dict(times)

@@ -205,18 +205,24 @@ class RLConfig:
         micro_batch_size: rows per forward/backward micro-batch.
         eval_interval: evaluate on the held-out tasks every this many steps (0 = only before
             and after the stage).
+        eval_interval_s: also evaluate after the first step that ends at least this many seconds
+            of the stage's clock (below) after the previous evaluation (0 = never): held-out
+            success against wall-clock (time-to-accuracy curves); each record in
+            ``rl/eval.jsonl`` carries ``time/rl_elapsed_s``.
         batch_timeout_s: give up waiting for a rollout batch after this long (an error, not a
             hang: the rollout log says why).
         time_budget_s: wall-clock budget in seconds (0 = none) counted from the end of the
             before-RL evaluation, so value pre-training counts in it: the RL stage ends after the
             first step that finishes past it (or at `steps`, whichever comes first), then saves,
-            exports and evaluates as usual. Start-up and held-out evaluation are not counted.
+            exports and evaluates as usual. Start-up and held-out evaluations (before, during
+            and after the stage) are not counted: the stage's clock stops while they run.
             Compares algorithms under the same wall-clock budget (tools/bench_sao_vs_grpo.py).
     """
 
     steps: int = 20
     micro_batch_size: int = 4
     eval_interval: int = 0
+    eval_interval_s: float = 0.0
     batch_timeout_s: float = 1800.0
     time_budget_s: float = 0.0
 
@@ -227,6 +233,10 @@ class RLConfig:
             raise ValueError(f"rl.micro_batch_size={self.micro_batch_size}: must be >= 1")
         if self.eval_interval < 0:
             raise ValueError(f"rl.eval_interval={self.eval_interval}: must be >= 0")
+        if not self.eval_interval_s >= 0:
+            raise ValueError(
+                f"rl.eval_interval_s={self.eval_interval_s}: must be >= 0 seconds (0 = never)"
+            )
         if not self.time_budget_s >= 0:
             raise ValueError(f"rl.time_budget_s={self.time_budget_s}: must be >= 0 (0 = no budget)")
 

@@ -77,11 +77,13 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def _check_run(run_dir: Path, steps: int, max_staleness: int) -> list[dict]:
+def _check_run(
+    run_dir: Path, steps: int, max_staleness: int, eval_steps: list[int] | None = None
+) -> list[dict]:
     recs = _records(run_dir / "rl" / "metrics.jsonl")  # one record per train step
     evals = _records(run_dir / "rl" / "eval.jsonl")  # held-out evaluations
     assert [r["step"] for r in recs] == list(range(1, steps + 1))
-    assert [r["step"] for r in evals] == [0, steps]  # before RL, after it
+    assert [r["step"] for r in evals] == (eval_steps or [0, steps])  # before RL, after it
     assert all(0.0 <= r["eval/success_rate"] <= 1.0 for r in evals)
     for r in recs:
         assert r["policy/update_ok"] == 1.0
@@ -121,21 +123,30 @@ def test_sao_job_1rank(tmp_path):
 
 def test_grpo_job_1rank_stops_at_its_time_budget(tmp_path):
     """rl.time_budget_s ends the stage after the first step past it (a step takes far more than
-    0.1 s here) and the end-of-budget checkpoint is written although save_interval is 0."""
+    0.1 s here) and the end-of-budget checkpoint is written although save_interval is 0.
+    rl.eval_interval_s evaluates after that step too (its record carries the stage's clock),
+    and the evaluation is off the clock."""
     _run(
         tmp_path / "grpo",
         "rl.steps=50",
         "rl.time_budget_s=0.1",
+        "rl.eval_interval_s=0.05",
         "checkpoint.save_interval=0",
         "algorithm.name=grpo",
         "algorithm.grpo.group_size=2",
         "stages=[sft,rl]",
     )
-    recs = _check_run(tmp_path / "grpo", 1, max_staleness=1)
+    recs = _check_run(tmp_path / "grpo", 1, max_staleness=1, eval_steps=[0, 1, 1])
     assert "loss/value" not in recs[0]
     latest = (tmp_path / "grpo" / "checkpoints" / "rl" / "latest").read_text().strip()
     assert latest.endswith("step_00000001")
-    assert json.loads((tmp_path / "grpo" / "summary.json").read_text())["rl/steps_done"] == 1
+    summary = json.loads((tmp_path / "grpo" / "summary.json").read_text())
+    assert summary["rl/steps_done"] == 1
+    timed = _records(tmp_path / "grpo" / "rl" / "eval.jsonl")[1]
+    # the evaluation's record carries the stage's clock at the step, which the step's own
+    # record also logs (the same reading: evaluation time is not on it)
+    assert timed["time/rl_elapsed_s"] == pytest.approx(recs[0]["time/rl_elapsed_s"])
+    assert summary["rl/eval_during_s"] > 0.0
 
 
 @pytest.mark.distributed
