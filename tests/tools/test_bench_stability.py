@@ -1,0 +1,58 @@
+"""tools/bench_stability.py: per-quarter means and the collapse rule, and the figures of a run
+read back from its metrics files."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+_spec = importlib.util.spec_from_file_location(
+    "bench_stability", ROOT / "tools" / "bench_stability.py"
+)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def _recs(rewards, entropies):
+    return [
+        {"step": i + 1, "reward/mean": r, "policy/entropy": e, "time/rl_elapsed_s": float(i)}
+        for i, (r, e) in enumerate(zip(rewards, entropies, strict=True))
+    ]
+
+
+def test_quarters_are_means_of_each_quarter_and_nan_when_absent():
+    recs = _recs([1, 2, 3, 4, 5, 6, 7, 8], [0.0] * 8)
+    assert bench.quarters(recs, "reward/mean") == [1.5, 3.5, 5.5, 7.5]
+    q = bench.quarters(recs, "deviation/abs_one_minus_ratio_mean")
+    assert all(math.isnan(x) for x in q)
+    # 6 steps: quarters of 1, 2, 1, 2 steps (i * n // 4 boundaries 0, 1, 3, 4, 6)
+    assert bench.quarters(_recs([1, 2, 3, 4, 5, 6], [0.0] * 6), "reward/mean") == [1, 2.5, 4, 5.5]
+
+
+def test_collapse_needs_both_the_reward_fall_and_the_entropy_move():
+    assert bench.collapsed([0.2, 0.6, 0.4, 0.2], [1.0, 0.9, 0.5, 0.3])  # fell, entropy -70%
+    assert bench.collapsed([0.2, 0.6, 0.4, 0.2], [1.0, 1.2, 1.8, 2.0])  # entropy blew up
+    assert not bench.collapsed([0.2, 0.6, 0.4, 0.31], [1.0, 0.9, 0.5, 0.3])  # reward held
+    assert not bench.collapsed([0.2, 0.6, 0.4, 0.2], [1.0, 0.9, 0.8, 0.7])  # entropy -30%
+    assert not bench.collapsed([0.0, 0.0, 0.0, 0.0], [1.0, 0.1, 0.1, 0.1])  # never learnt
+    assert not bench.collapsed([0.2, float("nan"), 0.4, 0.2], [1.0, 0.9, 0.5, 0.3])
+
+
+def test_figures_read_a_run_directory(tmp_path):
+    (tmp_path / "rl").mkdir()
+    recs = _recs([0.1, 0.5, 0.6, 0.1], [2.0, 1.5, 1.0, 0.5])
+    recs[1]["deviation/version_lag_max"] = 3.0
+    (tmp_path / "rl" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    summary = {"before/eval/success_rate": 0.25, "after/eval/success_rate": 0.0}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    f = bench.figures(tmp_path)
+    assert f["steps"] == 4 and f["wall_s"] == 3.0 and f["lag_max"] == 3.0
+    assert f["quarters"]["reward"] == [0.1, 0.5, 0.6, 0.1]
+    assert f["collapsed"] is True  # 0.1 < 0.3, entropy 2.0 -> 0.5
+    assert (f["success_before"], f["success_after"]) == (0.25, 0.0)
+    assert f["curves"]["entropy"] == [(1, 2.0), (2, 1.5), (3, 1.0), (4, 0.5)]
