@@ -48,7 +48,8 @@ mean ± standard error.
 
 Usage::
 
-    python tools/bench_regimes.py --repeats 3 --budget-s 20 --write
+    python tools/bench_regimes.py --repeats 3 --budget-s 20 --write   # ~8 min
+    python tools/bench_regimes.py --from-json runs/bench_regimes.json --write   # re-render
 """
 
 from __future__ import annotations
@@ -326,6 +327,7 @@ COLUMNS = [  # (key, header, format)
     ("stale_masked_fraction_of_trained", "stale tokens masked, of trained", "{:.2f}"),
     ("policy_loss_tokens_per_s", "policy-loss tok/s", "{:.0f}"),
     ("lag_mean", "version lag (oldest token)", "{:.2f}"),
+    ("token_lag_mean", "version lag (per trained token)", "{:.2f}"),
     ("length_mean", "actions per trained episode", "{:.1f}"),
     ("episode_wall_s_mean", "episode wall s", "{:.2f}"),
     ("slot_hold_s_mean", "slot hold s (slowest of group)", "{:.2f}"),
@@ -357,7 +359,7 @@ def table(results: list[dict], args: argparse.Namespace) -> str:
 
 
 def report(results: list[dict], args: argparse.Namespace, machine: dict) -> str:
-    cmd = "python tools/bench_regimes.py " + " ".join(sys.argv[1:])
+    cmd = machine["command"]
     r = regimes(args)["rollout_bound"]
     return (
         "What: the real `RolloutManager` (AReaL admission, staleness buffer, GRPO groups, router, "
@@ -425,15 +427,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-timeout-s", type=float, default=600.0)
     p.add_argument("--json", default=str(REPO / "runs" / "bench_regimes.json"))
     p.add_argument("--write", action="store_true", help=f"rewrite '{SECTION}' in BENCHMARKS.md")
+    p.add_argument(
+        "--from-json",
+        default=None,
+        help="render the report of a saved --json file (its command, machine, results) instead "
+        "of measuring",
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = build_parser().parse_args(argv)
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        run_args = argparse.Namespace(**saved["args"])
+        text = report(saved["results"], run_args, saved["machine"])
+        print(text)
+        if args.write:
+            benchlib.write_section(SECTION, text)
+        return saved["results"]
     # dropped groups (step timeouts) are counted in the table; one log line each is noise here
     logging.getLogger("sao_megatron.rollout").setLevel(logging.CRITICAL)
 
     machine = {
+        "command": " ".join(["python tools/bench_regimes.py", *(argv or sys.argv[1:])]),
         "nproc": os.cpu_count(),
         "cpu": benchlib.cpu_model(),
         "load_before": _load(),

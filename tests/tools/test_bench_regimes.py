@@ -54,6 +54,10 @@ def test_trainer_bound_grpo_trains_whole_groups_and_sao_one_episode_per_task(for
     sao = bench.run_cell(regime, "sao", 0, args, formatter)
     assert sao["distinct_tasks"] == sao["trained"] == 16 * sao["steps_measured"]
     assert sao["group_size"] == 1 and sao["slot_hold_s_mean"] == sao["episode_wall_s_mean"]
+    machine = dict(command="c", nproc=2, cpu="x", load_before="0", load_after="0", date="d")
+    text = bench.report([sao, grpo], args, {**machine, "minutes": 0.1, "commit": "abc"})
+    assert "| trainer_bound | SAO | 0.05 |" in text and "| trainer_bound | GRPO (G=8) |" in text
+    assert text.rstrip().endswith("<!-- reading -->")
 
 
 def test_dropped_groups_account_for_generated_minus_trained(formatter):
