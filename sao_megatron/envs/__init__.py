@@ -1,13 +1,14 @@
 """Agent environments and tasks: the protocol, a registry, and the built-in environments.
 
 Importing this package registers the built-ins: "hanoi", "chain_sum", "basic_arithmetic",
-"reasoning_gym" (and "babyai" when minigrid is installed). Build one with
+"reasoning_gym", "latency" (a wrapper that adds a heavy-tailed delay to each step of another
+environment) and "babyai" when minigrid is installed. Build one with
 ``make_env(name, **options)`` or ``EnvSpec(name=..., options={...}).build()``.
 """
 
 import importlib.util
 
-from sao_megatron.envs import hanoi, reasoning_gym_tasks  # noqa: F401  (registers built-ins)
+from sao_megatron.envs import hanoi, latency, reasoning_gym_tasks  # noqa: F401  (registers built-ins)
 from sao_megatron.envs.base import (
     Environment,
     EnvSpec,
@@ -18,6 +19,8 @@ from sao_megatron.envs.base import (
     registered_envs,
     task_id,
 )
+
+latency.register()
 
 if importlib.util.find_spec("minigrid") is not None:  # optional dependency
     from sao_megatron.envs import babyai  # noqa: F401

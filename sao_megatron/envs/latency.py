@@ -7,10 +7,14 @@ median, capped at `max_s`), seeded by (config seed, episode seed, step), so a ru
 reproducible. The wrapped environment's behaviour is unchanged.
 
 Not blocking the rollout loop. `LatencyEnv.step` sleeps (blocking, for synchronous callers such
-as demonstrations); `LatencyEnv.astep` awaits `asyncio.sleep`, so many episodes wait
-concurrently in one event loop. An async caller should use `astep(env, action)` below, which
-awaits `env.astep` when the environment has one and otherwise runs the blocking `env.step` in a
-worker thread (`asyncio.to_thread`, the default executor: min(32, cpus + 4) threads).
+as demonstrations); `LatencyEnv.astep` awaits `asyncio.sleep`, then steps the wrapped environment
+the same non-blocking way, so many episodes wait concurrently in one event loop. An async caller
+should use `astep(env, action)` below, which awaits `env.astep` when the environment has one and
+otherwise runs the blocking `env.step` in a worker thread (`asyncio.to_thread`, the default
+executor: min(32, cpus + 4) threads). The rollout's episode runner
+(`sao_megatron.rollout.runner.run_episode`, through `rollout.status.call_step`) does exactly
+that, so a latency-wrapped environment in a job waits without blocking other episodes
+(`tests/envs/test_latency.py` checks it through the real `RolloutManager`).
 
 Build from config::
 
@@ -18,8 +22,11 @@ Build from config::
                               distribution: lognormal, median_s: 0.2, shape: 1.0, max_s: 5.0}}
 
 Distributions: `heavy_tail.sample_heavy_tailed` (lognormal or Pareto by median and shape, capped).
-Not registered on import: call `sao_megatron.envs.latency.register()` (the package's
-``__init__`` should, once `show all` and its test count it) to build ``name: latency``.
+Registered as ``latency`` when `sao_megatron.envs` is imported (`register()`, idempotent).
+
+Seeding and GRPO: the delays of an episode depend on (`seed`, episode seed, step) only, and the
+G episodes of a GRPO group share their task's seed, so they draw the *same* delays unless each
+member's wrapper gets its own `seed` (as `tools/bench_regimes.py` does).
 """
 
 from __future__ import annotations
@@ -116,10 +123,11 @@ class LatencyEnv:
         return self._finish(self.env.step(action), delay)
 
     async def astep(self, action: str) -> StepResult:
-        """Non-blocking: await the delay (other episodes run meanwhile), then step."""
+        """Non-blocking: await the delay (other episodes run meanwhile), then step the wrapped
+        environment without blocking either (its own ``astep``, else ``step`` in a thread)."""
         delay = self.next_delay()
         await asyncio.sleep(delay)
-        return self._finish(self.env.step(action), delay)
+        return self._finish(await astep(self.env, action), delay)
 
 
 async def astep(env: Any, action: str) -> StepResult:
@@ -144,8 +152,8 @@ def make_latency_env(env: dict | EnvSpec | None = None, **options: Any) -> Laten
 
 
 def register() -> None:
-    """Register `make_latency_env` as environment "latency" (idempotent). Not done on import, so
-    importing this module leaves `registered_envs()` unchanged."""
+    """Register `make_latency_env` as environment "latency" (idempotent; `sao_megatron.envs`
+    calls it on import)."""
     from sao_megatron.envs.base import _REGISTRY
 
     if _REGISTRY.get("latency") is not make_latency_env:

@@ -17,8 +17,9 @@ would then never finish: issue 19). The buffer does admission and the hand-off c
 2. **Hand-off.** Tokens older than the bound inside an admitted trajectory are dropped from the
    policy loss by the trainer (`sao_megatron.rollout.staleness.stale_token_mask`). A group whose
    tokens are *all* older than the bound (``train_version - max(policy_version) > eta`` for
-   every trajectory; possible only when the trainer consumed more batches than versions or an
-   engine fell behind) has nothing to train: `get_batch` drops it, counts it
+   every trajectory; possible only when the trainer consumed more batches than versions, an
+   engine fell behind, or an episode's last environment step, after its newest token, outlasted
+   the bound) has nothing to train: `get_batch` drops it, counts it
    (``num_stale_dropped``) and hands it to ``on_stale`` (the manager requeues the task: a fresh
    episode, never a duplicate).
 

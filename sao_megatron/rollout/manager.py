@@ -291,6 +291,7 @@ class RolloutManager:
                 continue
             for t in batch:
                 self._task_by_id.pop(t.task_id, None)
+            self.counters["consumed_tokens"] += _action_tokens(batch)
             self._poke()
             return batch
 
@@ -373,6 +374,13 @@ class RolloutManager:
         out = {f"rollout/{k}": v for k, v in self.counters.items()}
         out.update({f"buffer/{k}": v for k, v in self.buffer.stats.items()})
         out.update(self.status_counters.metrics())
+        c = self.counters
+        out["rollout/pending_tokens"] = (  # sampled, neither handed over nor dropped yet
+            c["generated_tokens"]
+            - c["consumed_tokens"]
+            - c["discarded_tokens"]
+            - c["stale_dropped_tokens"]
+        )
         out["rollout/wall_s"] = wall
         out["rollout/trajectories_per_s"] = self.counters["trajectories"] / max(wall, 1e-9)
         out["rollout/tokens_per_s"] = self.counters["generated_tokens"] / max(wall, 1e-9)
@@ -454,8 +462,9 @@ class RolloutManager:
         self.attempts[task.task_id] += 1
         self._task_by_id[task.task_id] = task
         self.counters["episodes_started"] += g
+        sampled = [0]  # tokens the engines returned to this attempt's episodes, all members
         results = await asyncio.gather(
-            *(self._run_one(task, i, attempt) for i in range(g)), return_exceptions=True
+            *(self._run_one(task, i, attempt, sampled) for i in range(g)), return_exceptions=True
         )
         self._inflight -= g
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -471,6 +480,9 @@ class RolloutManager:
                 self._failure_streak.clear()
                 return
             self.buffer.mark_discarded()
+            # the whole group is dropped, its finished members included (GRPO: one failed
+            # member costs the G episodes' tokens)
+            self.counters["discarded_tokens"] += sampled[0]
             retry = [
                 e
                 for e in errors
@@ -512,8 +524,12 @@ class RolloutManager:
         finally:
             self._wake.set()
 
-    async def _run_one(self, task: Task, group_index: int, attempt: int) -> Trajectory:
+    async def _run_one(
+        self, task: Task, group_index: int, attempt: int, sampled: list[int] | None = None
+    ) -> Trajectory:
+        """One episode of a group; `sampled[0]` accumulates the tokens its requests returned."""
         episode_id = f"{task.task_id}#{group_index}@{attempt}"
+        sampled = [0] if sampled is None else sampled
         try:
             env = task.make_env()
         except Exception as e:
@@ -526,7 +542,9 @@ class RolloutManager:
             seed: int | None,
             routing_start: int | None = None,
         ) -> Generation:
-            return await self._generate(eid, prompt, max_tokens, seed, routing_start)
+            gen = await self._generate(eid, prompt, max_tokens, seed, routing_start)
+            sampled[0] += len(gen.token_ids)
+            return gen
 
         kw = {
             "seed": task.seed,
@@ -662,6 +680,7 @@ class RolloutManager:
         the staleness bound (a fresh attempt, so the task mix stays unbiased)."""
         t = group[0]
         self.counters["requeued_stale"] += 1
+        self.counters["stale_dropped_tokens"] += _action_tokens(group)
         self.status_counters.record(EpisodeStatus.ABORTED_STALE, len(group))
         task = self._task_by_id[t.task_id]
         self._loop.call_soon_threadsafe(
@@ -683,6 +702,11 @@ class RolloutManager:
                 reports.append(r)
                 self.engine_versions[i] = version
         return SyncResult(version, path, write_s, reports, failed)
+
+
+def _action_tokens(trajectories: Iterable[Trajectory]) -> int:
+    """Sampled (action) tokens of `trajectories`: what the engines generated for them."""
+    return sum(len(n.action_token_ids) for t in trajectories for n in t.nodes)
 
 
 def round_robin_tasks(

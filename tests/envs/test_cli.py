@@ -42,7 +42,11 @@ def test_show_all_prints_every_environment():
     assert rc == 0
     for name in ["babyai", "basic_arithmetic", "chain_sum", "hanoi"]:
         assert f"===== {name}\n<|obs|>" in out and f"--- {name}:1:" in out
-    assert out.count("total reward 1.0") == 4
+    # the latency wrapper (registered on import) plays its default wrapped 3-move Hanoi
+    latency = out.split("===== latency\n", 1)[1].split("=====", 1)[0]
+    assert latency.startswith("<|obs|>") and "--- hanoi:1:" in latency
+    assert "'env_latency_total_s': " in latency
+    assert out.count("total reward 1.0") == 5
 
 
 def test_show_with_tokenizer_and_window(tmp_path):

@@ -106,7 +106,7 @@ async def _episode(env, seed, client):
             return steps
 
 
-@pytest.mark.parametrize("kind", ["astep", "thread"])
+@pytest.mark.parametrize("kind", ["astep", "thread", "wrapped_blocking"])
 def test_eight_episodes_with_slow_steps_wait_concurrently(kind):
     FakeEngineClient.registry["fake://latency"] = FakeEngine("e0", token_latency_s=0.001)
     FakeEngineClient.registry["fake://latency"].version = "0"
@@ -115,6 +115,8 @@ def test_eight_episodes_with_slow_steps_wait_concurrently(kind):
     def make():
         if kind == "astep":  # the wrapper's async step
             return LatencyEnv(CountEnv(max_len=3), LatencyConfig(distribution="constant"))
+        if kind == "wrapped_blocking":  # no delay of its own; the wrapped step blocks 0.2 s
+            return LatencyEnv(_BlockingEnv(0.2), LatencyConfig(distribution="none"))
         return _BlockingEnv(0.2)  # no astep: run in a worker thread
 
     seeds = [2] * 8  # 3 steps each, 0.2 s per step
@@ -135,7 +137,7 @@ def test_eight_episodes_with_slow_steps_wait_concurrently(kind):
     # 8 episodes overlap: ~1/8 of sequential with astep; the default thread pool has
     # min(32, cpus + 4) workers, so >= 5 overlap with threads (<= 2/5 of sequential + slack)
     print(f"{kind}: sequential {t_seq:.2f} s, concurrent {t_conc:.2f} s")
-    limit = 0.35 if kind == "astep" else 0.6
+    limit = 0.35 if kind == "astep" else 0.6  # (a wrapped blocking step runs in a thread too)
     assert t_conc < limit * t_seq, (t_conc, t_seq)
     assert t_conc >= 3 * 0.2  # one episode's own delays are still sequential
 
@@ -143,9 +145,49 @@ def test_eight_episodes_with_slow_steps_wait_concurrently(kind):
 def test_register_makes_the_wrapper_buildable_by_name(monkeypatch):
     from sao_megatron.envs import base, latency
 
+    assert "latency" in base.registered_envs()  # importing sao_megatron.envs registers it
     monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))  # leave the real one untouched
+    del base._REGISTRY["latency"]
     assert "latency" not in base.registered_envs()
     latency.register()
     latency.register()  # idempotent
     env = make_env("latency", env={"name": "hanoi", "options": {"horizon": 4}}, median_s=0.0)
     assert isinstance(env, LatencyEnv) and env.reset(0) and env.max_steps == 4
+
+
+def test_the_rollout_manager_runs_latency_envs_concurrently(tmp_path):
+    """Through the real RolloutManager (runner -> call_step -> LatencyEnv.astep): 16 one-step
+    episodes with a 0.5 s delay each fill a batch of 16 in about 0.5 s, not 16 x 0.5 s."""
+    from sao_megatron.rollout.config import RolloutConfig
+    from sao_megatron.rollout.manager import RolloutManager, Task
+    from tests.rollout.fakes import make_formatter
+
+    FakeEngineClient.registry = {"http://fake-latency": FakeEngine("e0", token_latency_s=0.001)}
+    delay = LatencyConfig(distribution="constant", median_s=0.5, max_s=0.5)
+    tasks = [
+        Task(task_id=f"t{i}", make_env=lambda: LatencyEnv(CountEnv(max_len=1), delay), seed=i)
+        for i in range(16)
+    ]
+    cfg = RolloutConfig(
+        engine_urls=["http://fake-latency"],
+        max_model_len=256,
+        max_tokens_per_action=8,
+        trajectories_per_batch=16,
+        max_concurrent_episodes=16,
+        max_staleness=1,
+        request_timeout_s=60.0,
+        seed=0,
+    )
+    formatter = make_formatter()
+    try:
+        t0 = time.perf_counter()
+        with RolloutManager(
+            cfg, formatter, tasks, client_factory=FakeEngineClient, run_dir=tmp_path
+        ) as m:
+            batch = m.get_batch(0, timeout=120)
+            waited = time.perf_counter() - t0
+    finally:
+        FakeEngineClient.registry = {}
+    assert len(batch) == 16 and all(len(t.nodes) == 1 for t in batch)
+    assert all(t.info["env_latency_total_s"] == 0.5 for t in batch)
+    assert 0.5 <= waited < 16 * 0.5 / 2, waited  # one step's delay; sequential would be 8 s

@@ -275,3 +275,70 @@ def test_observe_step_measures_the_busy_fraction_of_the_step(fakes, tmp_path):
         for e in fakes:
             e.unpaused.set()
         assert busy > 0.95, busy
+
+
+class _SecondMemberFails:
+    """make_env of a task whose every second episode (GRPO member 1 of 2) raises on step 2."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self) -> CountEnv:
+        self.calls += 1
+        return CountEnv(max_len=3, raise_on_step=2 if self.calls % 2 == 0 else None)
+
+
+def _tokens(trajectories) -> int:
+    return sum(len(n.action_token_ids) for t in trajectories for n in t.nodes)
+
+
+def test_token_accounting_generated_consumed_discarded(fakes, tmp_path):
+    """Every sampled token ends up handed to the trainer, discarded with a failed group (its
+    finished members included) or dropped as stale; here with exactly 1 token per action:
+    tasks t0..t9 last 1 + i % 3 actions; t2 and t5 (3 actions) fail in member 1 at step 2, so
+    each wastes 3 (member 0, finished) + 2 (member 1) tokens; the rest train 2 x 13 tokens."""
+    tasks = [
+        Task(
+            task_id=f"t{i}",
+            make_env=_SecondMemberFails() if i in (2, 5) else (lambda: CountEnv(max_len=3)),
+            seed=i,
+        )
+        for i in range(10)
+    ]
+    with make_manager(
+        tmp_path,
+        tasks=tasks,
+        group_size=2,
+        max_tokens_per_action=1,
+        max_staleness=100,
+    ) as m:
+        got = []
+        for _ in range(4):
+            got += m.get_batch(0, timeout=300)
+        with pytest.raises(RuntimeError, match="task source is exhausted"):
+            m.get_batch(0, timeout=60)  # also waits until nothing is in flight
+        stats = m.stats()
+    assert sorted({t.task_id for t in got}) == sorted(f"t{i}" for i in range(10) if i not in (2, 5))
+    assert _tokens(got) == 2 * 13 == stats["rollout/consumed_tokens"]
+    assert stats["rollout/discarded_tokens"] == 2 * (3 + 2) and stats["rollout/failed_groups"] == 2
+    assert stats["rollout/generated_tokens"] == 36 == sum(e.generated for e in fakes)
+    assert (
+        stats.get("rollout/stale_dropped_tokens", 0) == 0 and stats["rollout/pending_tokens"] == 0
+    )
+
+
+def test_stale_dropped_groups_count_their_tokens(fakes, tmp_path):
+    with make_manager(tmp_path, trajectories_per_batch=4, max_concurrent_episodes=8) as m:
+        m.get_batch(0, timeout=300)
+        deadline = time.monotonic() + 60
+        while m.buffer.num_ready() < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stale = m.buffer.set_train_version(3)  # the trainer moved on: version-0 data is stale
+        stats = m.stats()
+    assert len(stale) >= 4 and stats["rollout/requeued_stale"] == len(stale)
+    assert stats["rollout/stale_dropped_tokens"] == _tokens(t for g in stale for t in g) > 0
+    assert stats["rollout/generated_tokens"] == (
+        stats["rollout/consumed_tokens"]
+        + stats["rollout/stale_dropped_tokens"]
+        + stats["rollout/pending_tokens"]
+    )
