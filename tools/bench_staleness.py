@@ -59,7 +59,6 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = RolloutConfig(
             engine_urls=list(engines),
-            run_dir=tmp,
             max_model_len=args.long_steps * 40 + 64,
             max_tokens_per_action=16,
             trajectories_per_batch=args.batch,
@@ -71,7 +70,9 @@ def run(args: argparse.Namespace) -> dict:
         )
         trained, stale_tokens, tokens, long_stale, long_tokens = [], 0, 0, 0, 0
         t0 = time.monotonic()
-        with RolloutManager(cfg, make_formatter(), tasks, client_factory=FakeEngineClient) as m:
+        with RolloutManager(
+            cfg, make_formatter(), tasks, client_factory=FakeEngineClient, run_dir=tmp
+        ) as m:
             for step in range(args.steps):
                 batch = m.get_batch(train_version=step, timeout=600)
                 for t in batch:
