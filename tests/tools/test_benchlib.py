@@ -116,3 +116,33 @@ def test_write_section_keeps_the_hand_written_reading(tmp_path):
     assert text.count("SAO is slower here.") == 1 and text.index("SAO is slower") < text.index(
         "## Z"
     )
+
+
+def test_eval_curve_and_critic_curve_from_a_run(tmp_path):
+    run = _fake_run(tmp_path)
+    evals = [
+        {"step": 0, "eval/success_rate": 0.25},
+        {"step": 2, "eval/success_rate": 0.375, "time/rl_elapsed_s": 20.0},
+        {"step": 4, "eval/success_rate": 0.5},  # the final evaluation: no clock reading
+    ]
+    (run / "rl" / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
+    recs = [json.loads(ln) for ln in (run / "rl" / "metrics.jsonl").read_text().splitlines()]
+    recs[1]["value/explained_variance_before"] = 0.125
+    (run / "rl" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    f = benchlib.run_figures(run, "x")
+    assert f.eval_curve == [(0.0, 0.25), (20.0, 0.375), (40.0, 0.5)]
+    assert f.ev_curve == [(20.0, 0.125)]
+    # no eval file: no curve
+    (run / "rl" / "eval.jsonl").unlink()
+    assert benchlib.run_figures(run, "x").eval_curve == []
+
+
+def test_time_to_accuracy_helpers_of_bench_sao_vs_grpo():
+    import bench_sao_vs_grpo as b
+
+    curve = [(0.0, 0.25), (20.0, 0.375), (40.0, 0.5)]
+    assert [b._at(curve, t) for t in (0.0, 19.9, 20.0, 45.0)] == [0.25, 0.25, 0.375, 0.5]
+    # mean ± sample standard deviation / sqrt(n), NaN and None ignored
+    assert b.mean_se([0.5, 0.25, None, float("nan"), 0.75]) == "0.500 ± 0.144 (n = 3)"
+    assert b.mean_se([0.5]) == "0.500 (n = 1)"
+    assert b.mean_se([None]) == "-"
