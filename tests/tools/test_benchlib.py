@@ -146,3 +146,37 @@ def test_time_to_accuracy_helpers_of_bench_sao_vs_grpo():
     assert b.mean_se([0.5, 0.25, None, float("nan"), 0.75]) == "0.500 ± 0.144 (n = 3)"
     assert b.mean_se([0.5]) == "0.500 (n = 1)"
     assert b.mean_se([None]) == "-"
+
+
+def test_sao_vs_grpo_plot_with_time_to_accuracy_panels(tmp_path):
+    import argparse
+
+    import bench_sao_vs_grpo as b
+
+    runs = {}
+    for algo in ("sao", "grpo"):
+        figs = []
+        for seed in range(2):
+            run = _fake_run(tmp_path / f"{algo}{seed}")
+            evals = [
+                {"step": 0, "eval/success_rate": 0.25},
+                {"step": 2, "eval/success_rate": 0.25 + 0.1 * seed, "time/rl_elapsed_s": 20.0},
+                {"step": 4, "eval/success_rate": 0.5},
+            ]
+            (run / "rl" / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
+            summary = {
+                "before/eval/hanoi/success_rate": 0.25,
+                "after/eval/hanoi/success_rate": 0.5 + 0.25 * seed,
+                "after/eval/hanoi/num_tasks": 4.0,
+            }
+            (run / "summary.json").write_text(json.dumps(summary))
+            figs.append(benchlib.run_figures(run, f"{algo} r{seed}"))
+        runs[algo] = figs
+    args = argparse.Namespace(group_size=8, config="c.yaml", budget_s=40.0)
+    path = tmp_path / "plot.png"
+    b.plot_curves(runs, path, args)
+    assert path.stat().st_size > 10_000  # a 4-panel figure was drawn
+    table = b.render_table(runs, args)
+    # seeds' successes 0.5 and 0.75: mean 0.625, s.e. = 0.1768 / sqrt(2) = 0.125
+    row = "| held-out hanoi success after RL, mean ± s.e. over seeds | "
+    assert row + "0.625 ± 0.125 (n = 2) | 0.625 ± 0.125 (n = 2) |" in table
