@@ -682,7 +682,7 @@ def main() -> None:
     ap.add_argument("--write", action="store_true", help="rewrite the docs/BENCHMARKS.md section")
     ap.add_argument("overrides", nargs="*", help="job overrides for every fit and RL run")
     args = ap.parse_args()
-    base, variants, section_name, plot_file = study(args)
+    _, variants, section_name, plot_file = study(args)
     if args.variants is None:
         args.variants = list(variants)
     unknown = [v for v in [*args.variants, *args.rl_variants] if v not in variants]

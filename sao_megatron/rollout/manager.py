@@ -525,11 +525,11 @@ class RolloutManager:
             self._wake.set()
 
     async def _run_one(
-        self, task: Task, group_index: int, attempt: int, sampled: list[int] | None = None
+        self, task: Task, group_index: int, attempt: int, sampled: list[int]
     ) -> Trajectory:
-        """One episode of a group; `sampled[0]` accumulates the tokens its requests returned."""
+        """One episode of a group; `sampled[0]` (shared by the group) accumulates the tokens its
+        requests returned."""
         episode_id = f"{task.task_id}#{group_index}@{attempt}"
-        sampled = [0] if sampled is None else sampled
         try:
             env = task.make_env()
         except Exception as e:
