@@ -28,6 +28,7 @@ import dataclasses
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import benchlib
@@ -98,6 +99,13 @@ def main(argv=None) -> int:
         help="held-out evaluation every this many seconds of training (rl.eval_interval_s, off "
         "the budget's clock): the time-to-accuracy curves (0: before and after RL only)",
     )
+    ap.add_argument(
+        "--shared-value-pretrain",
+        action="store_true",
+        help="run SAO's value pre-training once (<out>/value_pretrain, from the SFT start) and "
+        "start every SAO run from that critic, its budget counting RL only (default: each SAO "
+        "run pre-trains its own critic inside its budget)",
+    )
     ap.add_argument("--write", action="store_true", help="update docs/BENCHMARKS.md")
     ap.add_argument("override", nargs="*", help="extra section.field=value for every job")
     args = ap.parse_args(argv)
@@ -110,6 +118,9 @@ def main(argv=None) -> int:
     out = (REPO / args.out).resolve()
     start_info = benchlib.machine_info()
     sft = shared_sft(args.config, args.override, out / "sft")
+    shared_vp = None
+    if args.shared_value_pretrain and has_vp and "sao" in args.algorithms:
+        shared_vp = shared_value_pretrain(args.config, args.override, sft, out / "value_pretrain")
     runs: dict[str, list[RunFigures]] = {a: [] for a in args.algorithms}
     for r in range(args.first_seed, args.first_seed + args.repeats):
         for algo in args.algorithms:  # interleaved: load drift hits every algorithm alike
@@ -118,7 +129,12 @@ def main(argv=None) -> int:
             ov = benchlib.rl_overrides(args.override, args.budget_s, args.num_eval_tasks, r)
             if args.eval_interval_s:
                 ov.append(f"rl.eval_interval_s={args.eval_interval_s:g}")
-            run_job(args.config, ov + algo_overrides(algo, args.group_size, has_vp, base), run_dir)
+            if algo == "sao" and shared_vp is not None:
+                seed_critic(shared_vp.run_dir, run_dir)
+                ov += ["stages=[rl]"]
+            else:
+                ov += algo_overrides(algo, args.group_size, has_vp, base)
+            run_job(args.config, ov, run_dir)
             runs[algo].append(run_figures(run_dir, f"{algo} r{r}"))
 
     info = benchlib.measured_machine_info(out, start_info, "sao_vs_grpo")
@@ -139,6 +155,8 @@ def main(argv=None) -> int:
             flags.append("--algorithms " + " ".join(args.algorithms))
         if args.first_seed:
             flags.append(f"--first-seed {args.first_seed}")
+        if args.shared_value_pretrain:
+            flags.append("--shared-value-pretrain")
         for name in ("config", "group_size", "num_eval_tasks", "eval_interval_s", "out", "section"):
             value = getattr(args, name)
             if value != ap.get_default(name):
@@ -149,11 +167,52 @@ def main(argv=None) -> int:
             f"Command:\n\n    {cmd}\n\n{benchlib.machine_line(info)}\n\n"
             f"Config `{args.config}`; GRPO G={args.group_size}; budget {args.budget_s:g} s of "
             f"wall-clock per run; {args.repeats} repeat{'s' if args.repeats > 1 else ''}"
-            f"{' (median [min, max])' if args.repeats > 1 else ''}.\n\n{table}\n\n"
+            f"{' (median [min, max])' if args.repeats > 1 else ''}."
+            f"{shared_vp.sentence() if shared_vp is not None else ''}\n\n{table}\n\n"
             f"![reward vs wall-clock](img/{img.name})\n\n{benchlib.READING}\n"
         )
         benchlib.write_section(args.section, body)
     return 0
+
+
+@dataclasses.dataclass
+class SharedValuePretrain:
+    """The one value pre-training every SAO run of a benchmark starts from."""
+
+    run_dir: Path
+    steps: int
+    wall_s: float
+    explained_variance: float | None  # on the last pre-training batch, before its updates
+
+    def sentence(self) -> str:
+        ev = "" if self.explained_variance is None else f", explained variance on its last batch "
+        ev += "" if self.explained_variance is None else f"{self.explained_variance:.2f}"
+        return (
+            f" SAO's critic was pre-trained once ({self.steps} value pre-training steps, "
+            f"{self.wall_s:.0f} s{ev}) and every SAO run starts from it: that cold start is not "
+            "inside SAO's budget."
+        )
+
+
+def shared_value_pretrain(config: str, user: list[str], sft: Path, out: Path):
+    """Run (once) the config's value pre-training alone from the SFT start into `out`; the job
+    saves the pre-trained critic as its RL checkpoint (step 0)."""
+    seed_from_sft(sft, out)
+    ov = [*user, "stages=[value_pretrain]", "tasks.num_eval_tasks=0", "logging.console=false"]
+    run_job(config, ov, out)
+    summary = json.loads((out / "summary.json").read_text())
+    records = [json.loads(line) for line in (out / "value_pretrain" / "metrics.jsonl").open()]
+    ev = records[-1].get("value/explained_variance_before") if records else None
+    return SharedValuePretrain(out, len(records), summary["rl/value_pretrain_s"], ev)
+
+
+def seed_critic(vp_dir: Path, run_dir: Path) -> None:
+    """Give run_dir a copy of the shared value pre-training's RL checkpoint (the job resumes
+    from it at step 0: pre-trained critic and its optimiser, SFT policy). A copy, not links:
+    the run's checkpoint manager rewrites and prunes its own folder."""
+    dst = run_dir / "checkpoints" / "rl"
+    if not dst.exists():
+        shutil.copytree(vp_dir / "checkpoints" / "rl", dst)
 
 
 def render_table(runs: dict[str, list[RunFigures]], args) -> str:

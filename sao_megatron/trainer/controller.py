@@ -584,6 +584,8 @@ class Controller:
             self._value_pretrain(rl)
             if "rl" in self.job.stages:
                 self._finish_rl(rl, self._rl_loop(rl))
+            elif rl.run.value_pretrain_steps:  # stages without rl keep the pre-trained critic:
+                self._save_rl(rl)  # a later `stages: [rl]` job in this run_dir resumes from it
         finally:
             if rl.rollout is not None:
                 rl.rollout.stop()

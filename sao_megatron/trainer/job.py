@@ -247,7 +247,11 @@ class JobConfig:
 
     Fields:
         run_dir: where metrics, checkpoints, exported weights, logs and plots go.
-        stages: which stages to run, in order: any of "sft", "value_pretrain", "rl".
+        stages: which stages to run, in order: any of "sft", "value_pretrain", "rl". A job
+            that ends with value_pretrain saves an RL checkpoint (step 0, the pre-trained
+            critic); a later ``stages: [rl]`` job with the same run_dir resumes from it, so one
+            cold start can serve several RL runs (tools/bench_sao_vs_grpo.py
+            ``--shared-value-pretrain``).
         seed: base seed (parallel.seed is the Megatron RNG seed).
         init_from_hf: a Hugging Face model folder (config.json + safetensors, e.g.
             ``.cache/models/SmolLM2-135M-Instruct``) the policy (and through it the critic's

@@ -169,3 +169,50 @@ def test_episode_status_counts_survive_checkpoint_and_resume(tmp_path, parallel_
     third.prepare()
     counts = third.build_rl(None, old_dir).rollout.status_counters.state_dict()
     assert counts == {s.value: 0 for s in EpisodeStatus}
+
+
+def test_value_pretrain_alone_saves_the_critic_a_later_rl_job_resumes_from(
+    tmp_path, parallel_1rank, monkeypatch
+):
+    """`stages: [value_pretrain]` keeps its work: an RL checkpoint at step 0 holding the
+    pre-trained critic (and its step count), which a `stages: [rl]` job in the same run_dir
+    resumes from (one cold start shared by several RL runs). The rollout is not started and the
+    pre-training itself is replaced by a known change of the critic's head."""
+    import torch
+
+    from sao_megatron.rollout.manager import RolloutManager
+
+    monkeypatch.setattr(RolloutManager, "start", lambda self: self)
+    monkeypatch.setattr(RolloutManager, "stop", lambda self: None)
+    job = _job(tmp_path / "run", "sao")
+    job.stages = ["value_pretrain"]
+    job.value_pretrain.steps = 3
+    ctrl = Controller(job, parallel_1rank)
+    ctrl.prepare()
+    ctrl.summary = {}
+    head = {}
+
+    def fake_pretrain(rl):  # what 3 value pre-training steps leave: a trained critic
+        value = rl.step_fn.value.unwrapped[-1]
+        with torch.no_grad():
+            for name, p in value.named_parameters():
+                if name.startswith("output_layer."):
+                    p.add_(0.25)
+                    head[name] = p.detach().clone()
+        rl.run.value_pretrain_steps = 3
+
+    monkeypatch.setattr(ctrl, "_value_pretrain", fake_pretrain)
+    ctrl.rl_stage(None, None)
+    assert head, "the critic has a head parameter"
+    step_dir = ctrl._ckpt("rl").resolve_resume()
+    assert step_dir is not None and step_dir.name.endswith("0")
+
+    job_rl = _job(tmp_path / "run", "sao")
+    again = Controller(job_rl, parallel_1rank)
+    again.prepare()
+    assert again._ckpt("rl").resolve_resume() == step_dir  # what run() resumes from
+    resumed = again.build_rl(None, step_dir)
+    assert resumed.run == RLRunState(step=0, policy_version=0, value_pretrain_steps=3)
+    value = dict(resumed.step_fn.value.unwrapped[-1].named_parameters())
+    for name, p in head.items():
+        assert torch.equal(value[name].detach(), p)
