@@ -180,6 +180,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "Transformer Engine" if pf.use_te else "Megatron-Core local",
             parallel.world_size,
         )
+        from sao_megatron.platform import slow_bf16_warning
+
+        if (slow := slow_bf16_warning(pf, job.precision.params_dtype)) is not None:
+            logging.getLogger("sao_megatron.trainer").warning(slow)
     checkpoint_error = None
     try:
         summary = Controller(job, parallel).run()

@@ -18,3 +18,31 @@ def test_cuda_platform_uses_nccl_and_te_when_importable(monkeypatch):
     p = detect_platform(local_rank=3)
     assert p.device == torch.device("cuda", 3) and p.backend == "nccl"
     assert p.use_te == transformer_engine_available()
+
+
+_CPUINFO = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse avx fma {extra}\n\n" * 2
+
+
+def test_native_bf16_is_read_from_the_cpuinfo_flags():
+    from sao_megatron.platform import cpu_has_native_bf16
+
+    assert cpu_has_native_bf16(_CPUINFO.format(extra="avx2")) is False
+    assert cpu_has_native_bf16(_CPUINFO.format(extra="avx512f avx512_bf16")) is True
+    assert cpu_has_native_bf16(_CPUINFO.format(extra="amx_tile amx_bf16")) is True
+    assert cpu_has_native_bf16("processor\t: 0\nmodel name\t: Apple\n") is None  # no flags line
+
+
+def test_bf16_on_a_cpu_without_bf16_instructions_warns_with_the_fix():
+    import torch
+
+    from sao_megatron.platform import Platform, slow_bf16_warning
+
+    cpu = Platform(device=torch.device("cpu"), backend="gloo", use_te=False)
+    cuda = Platform(device=torch.device("cuda", 0), backend="nccl", use_te=True)
+    slow, fast = _CPUINFO.format(extra="avx2"), _CPUINFO.format(extra="avx512_bf16")
+    msg = slow_bf16_warning(cpu, "bf16", slow)
+    assert "precision.params_dtype=fp32" in msg and "avx512_bf16" in msg
+    assert slow_bf16_warning(cpu, "fp32", slow) is None
+    assert slow_bf16_warning(cpu, "bf16", fast) is None
+    assert slow_bf16_warning(cuda, "bf16", slow) is None
+    assert slow_bf16_warning(cpu, "bf16", "no flags here") is None  # unknown: no claim
