@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import time
 from pathlib import Path
 
@@ -153,6 +154,69 @@ def render(results: dict[str, dict[int, dict[str, float]]], horizons: list[int])
     return "\n".join(lines)
 
 
+def seed_groups(results: dict[str, dict]) -> dict[str, list[str]]:
+    """Policies named "<algorithm> r<seed>" grouped by algorithm (in first-seen order); other
+    names are groups of one."""
+    groups: dict[str, list[str]] = {}
+    for name in results:
+        m = re.fullmatch(r"(.+) r(\d+)", name)
+        groups.setdefault(m.group(1) if m else name, []).append(name)
+    return groups
+
+
+def mean_se(xs: list[float]) -> tuple[float, float, int]:
+    """(mean, standard error = sample std / sqrt(n), n) of the non-NaN values; se is NaN for
+    n < 2."""
+    v = [x for x in xs if x == x]
+    n = len(v)
+    if not n:
+        return math.nan, math.nan, 0
+    m = sum(v) / n
+    se = math.sqrt(sum((x - m) ** 2 for x in v) / (n - 1) / n) if n > 1 else math.nan
+    return m, se, n
+
+
+def render_over_seeds(results: dict[str, dict[int, dict[str, float]]], horizons) -> str:
+    """One row per algorithm: per horizon the success rate and the per-move error rates
+    (illegal, non-optimal), each the mean ± standard error over the algorithm's seeds (one
+    evaluation per seed's final policy, the same held-out tasks for all)."""
+    head = "| policy | seeds | " + " | ".join(
+        f"H={h} success | H={h} illegal / move | H={h} non-optimal / move" for h in horizons
+    )
+    lines = [head + " |", "|---|---:" + "|---:" * (3 * len(horizons)) + "|"]
+    for group, names in seed_groups(results).items():
+        cells = []
+        for h in horizons:
+            for key, fmt in (
+                ("success_rate", "{:.3f}"),
+                ("illegal_move_rate", "{:.4f}"),
+                ("non_optimal_move_rate", "{:.4f}"),
+            ):
+                m, se, n = mean_se([results[x][h].get(key, math.nan) for x in names])
+                cell = fmt.format(m)
+                cells.append(cell + (f" ± {fmt.format(se)}" if n > 1 else ""))
+        lines.append(f"| {group} | {len(names)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def bench_policies(bench: Path) -> dict[str, str]:
+    """The policies of a bench_sao_vs_grpo.py output folder: the RL start (the first run's
+    hf_policy) and every run's final policy, named "<algorithm> r<seed>"."""
+    names = {"sao": "SAO", "grpo": "GRPO", "grpo_dis": "GRPO+DIS"}
+    runs = []
+    for d in bench.iterdir() if bench.is_dir() else []:
+        m = re.fullmatch(r"(sao|grpo|grpo_dis)_r(\d+)", d.name)
+        if m and (d / "hf_policy_final" / "config.json").exists():
+            runs.append((list(names).index(m.group(1)), int(m.group(2)), m.group(1), d))
+    runs.sort()
+    if not runs:
+        return {}
+    out = {"SFT (RL start)": str(runs[0][3] / "hf_policy")}
+    for _, r, algo, d in runs:
+        out[f"{names[algo]} r{r}"] = str(d / "hf_policy_final")
+    return out
+
+
 def plot(results, horizons, path: Path, title: str) -> None:
     import matplotlib
 
@@ -200,7 +264,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--bench-dir",
         default="runs/bench_long_horizon",
-        help="where bench_sao_vs_grpo.py put sao_r0/ and grpo_r0/",
+        help="where bench_sao_vs_grpo.py put its runs (<algo>_r<seed>/): every run's final "
+        "policy and the RL start are evaluated",
     )
     ap.add_argument(
         "--policy",
@@ -232,11 +297,9 @@ def main(argv=None) -> int:
 
     job = load_config(JobConfig, str(REPO / args.config), args.override)
     bench = (REPO / args.bench_dir).resolve()
-    policies = dict(p.split("=", 1) for p in args.policy) or {
-        "SFT (RL start)": str(bench / "sao_r0" / "hf_policy"),
-        "SAO": str(bench / "sao_r0" / "hf_policy_final"),
-        "GRPO": str(bench / "grpo_r0" / "hf_policy_final"),
-    }
+    policies = dict(p.split("=", 1) for p in args.policy) or bench_policies(bench)
+    if not policies and not args.replot:
+        ap.error(f"--bench-dir {args.bench_dir}: no finished runs (<algo>_r<seed>/hf_policy_final)")
     out_dir = bench / "eval_horizon"
     results: dict[str, dict[int, dict[str, float]]] = {}
     if args.replot:
@@ -258,6 +321,13 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     table = render(results, args.horizons)
+    if any(len(v) > 1 for v in seed_groups(results).values()):
+        table = (
+            "Mean ± standard error over seeds:\n\n"
+            + render_over_seeds(results, args.horizons)
+            + "\n\nEvery policy (± binomial standard error over tasks):\n\n"
+            + table
+        )
     print(table)
     png = out_dir / "success_by_horizon.png"
     plot(results, args.horizons, png, f"Held-out Hanoi by horizon ({args.num_tasks} tasks each)")

@@ -180,3 +180,41 @@ def test_sao_vs_grpo_plot_with_time_to_accuracy_panels(tmp_path):
     # seeds' successes 0.5 and 0.75: mean 0.625, s.e. = 0.1768 / sqrt(2) = 0.125
     row = "| held-out hanoi success after RL, mean ± s.e. over seeds | "
     assert row + "0.625 ± 0.125 (n = 2) | 0.625 ± 0.125 (n = 2) |" in table
+
+
+def test_eval_horizon_over_seeds_mean_and_standard_error(tmp_path):
+    """Final policies named "<algo> r<seed>" are grouped; each cell is the mean ± s.e. over
+    seeds (sample std / sqrt(n)), checked against numbers worked by hand."""
+    for algo, seeds in (("sao", (0, 1, 2)), ("grpo", (0, 1))):
+        for r in seeds:
+            (tmp_path / f"{algo}_r{r}" / "hf_policy_final").mkdir(parents=True)
+            (tmp_path / f"{algo}_r{r}" / "hf_policy_final" / "config.json").write_text("{}")
+    (tmp_path / "grpo_r5").mkdir()  # unfinished run: no final policy
+    pol = eval_horizon.bench_policies(tmp_path)
+    assert list(pol) == ["SFT (RL start)", "SAO r0", "SAO r1", "SAO r2", "GRPO r0", "GRPO r1"]
+    assert pol["SFT (RL start)"] == str(tmp_path / "sao_r0" / "hf_policy")
+    assert eval_horizon.bench_policies(tmp_path / "absent") == {}
+
+    def res(p, ill, non):
+        return {50: {"success_rate": p, "illegal_move_rate": ill, "non_optimal_move_rate": non}}
+
+    results = {
+        "SFT (RL start)": res(0.5, 0.01, 0.0),
+        "SAO r0": res(0.5, 0.01, 0.002),
+        "SAO r1": res(0.75, 0.0, 0.004),
+        "SAO r2": res(1.0, 0.02, 0.0),
+        "GRPO r0": res(0.25, 0.03, 0.01),
+        "GRPO r1": res(0.75, 0.01, 0.03),
+    }
+    assert eval_horizon.seed_groups(results) == {
+        "SFT (RL start)": ["SFT (RL start)"],
+        "SAO": ["SAO r0", "SAO r1", "SAO r2"],
+        "GRPO": ["GRPO r0", "GRPO r1"],
+    }
+    m, se, n = eval_horizon.mean_se([0.5, 0.75, 1.0])
+    assert (m, n) == (0.75, 3) and se == pytest.approx(0.25 / 3**0.5)  # std 0.25
+    assert eval_horizon.mean_se([0.4])[2] == 1 and eval_horizon.mean_se([0.4])[1] != 0.0
+    rows = eval_horizon.render_over_seeds(results, [50]).splitlines()
+    assert rows[2] == "| SFT (RL start) | 1 | 0.500 | 0.0100 | 0.0000 |"
+    assert rows[3] == "| SAO | 3 | 0.750 ± 0.144 | 0.0100 ± 0.0058 | 0.0020 ± 0.0012 |"
+    assert rows[4] == "| GRPO | 2 | 0.500 ± 0.250 | 0.0200 ± 0.0100 | 0.0200 ± 0.0100 |"
