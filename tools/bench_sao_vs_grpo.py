@@ -185,8 +185,9 @@ class SharedValuePretrain:
     explained_variance: float | None  # on the last pre-training batch, before its updates
 
     def sentence(self) -> str:
-        ev = "" if self.explained_variance is None else f", explained variance on its last batch "
-        ev += "" if self.explained_variance is None else f"{self.explained_variance:.2f}"
+        ev = ""
+        if self.explained_variance is not None:
+            ev = f", explained variance on its last batch {self.explained_variance:.2f}"
         return (
             f" SAO's critic was pre-trained once ({self.steps} value pre-training steps, "
             f"{self.wall_s:.0f} s{ev}) and every SAO run starts from it: that cold start is not "
