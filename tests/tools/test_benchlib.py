@@ -218,3 +218,45 @@ def test_eval_horizon_over_seeds_mean_and_standard_error(tmp_path):
     assert rows[2] == "| SFT (RL start) | 1 | 0.500 | 0.0100 | 0.0000 |"
     assert rows[3] == "| SAO | 3 | 0.750 ± 0.144 | 0.0100 ± 0.0058 | 0.0020 ± 0.0012 |"
     assert rows[4] == "| GRPO | 2 | 0.500 ± 0.250 | 0.0200 ± 0.0100 | 0.0200 ± 0.0100 |"
+
+
+def test_shared_value_pretrain_runs_once_and_each_sao_run_gets_its_own_copy(tmp_path, monkeypatch):
+    """bench_sao_vs_grpo --shared-value-pretrain: the value pre-training job gets the SFT start
+    and `stages=[value_pretrain]`; its figures come from its summary and last metrics record;
+    every SAO run receives a copy (not links) of its RL checkpoint."""
+    import bench_sao_vs_grpo as b
+
+    sft = tmp_path / "sft"
+    for sub in ("tokenizer", "checkpoints/sft/step_00000010"):
+        (sft / sub).mkdir(parents=True)
+        (sft / sub / "f").write_text(sub)
+    calls = []
+
+    def fake_run_job(config, overrides, run_dir):  # what the job writes
+        calls.append((config, overrides, run_dir))
+        step = run_dir / "checkpoints" / "rl" / "step_00000000"
+        step.mkdir(parents=True)
+        (step / "weights").write_text("critic")
+        (run_dir / "value_pretrain").mkdir()
+        recs = [{"step": 1, "value/explained_variance_before": 0.1}]
+        recs.append({"step": 2, "value/explained_variance_before": 0.62})
+        (run_dir / "value_pretrain" / "metrics.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in recs)
+        )
+        (run_dir / "summary.json").write_text(json.dumps({"rl/value_pretrain_s": 123.4}))
+        return run_dir
+
+    monkeypatch.setattr(b, "run_job", fake_run_job)
+    vp = b.shared_value_pretrain("cfg.yaml", ["precision.params_dtype=fp32"], sft, tmp_path / "vp")
+    assert len(calls) == 1 and calls[0][0] == "cfg.yaml"
+    assert calls[0][1][:2] == ["precision.params_dtype=fp32", "stages=[value_pretrain]"]
+    assert (tmp_path / "vp" / "checkpoints" / "sft" / "step_00000010" / "f").exists()
+    assert (vp.steps, vp.wall_s, vp.explained_variance) == (2, 123.4, 0.62)
+    assert "2 value pre-training steps, 123 s" in vp.sentence() and "0.62" in vp.sentence()
+
+    run = tmp_path / "sao_r1"
+    b.seed_critic(vp.run_dir, run)
+    copied = run / "checkpoints" / "rl" / "step_00000000" / "weights"
+    assert copied.read_text() == "critic"
+    src = tmp_path / "vp" / "checkpoints" / "rl" / "step_00000000" / "weights"
+    assert copied.stat().st_ino != src.stat().st_ino  # a copy: the run may rewrite its own
