@@ -162,6 +162,17 @@ class TaskStream:
             self._draw()
 
 
+def _clear_optimizer_state(optimizer) -> None:
+    """Empty the torch optimisers' per-parameter state under a Megatron optimiser (or a chain).
+
+    Building a sharded state dict for loading (``is_loading=True``) fills the Adam state with
+    zero moments but no ``step`` (Megatron keeps it in the param groups until a load puts it
+    back); when that optimiser part is then not loaded, torch's Adam fails on its first step
+    with ``KeyError: 'step'``. An empty state is what a fresh optimiser has."""
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        opt.optimizer.state.clear()
+
+
 class Controller:
     """Runs the stages of `job` on this rank (construct on every rank, call `run()`).
 
@@ -255,6 +266,8 @@ class Controller:
                 st.optimizer.load_state_dict(res.state_dicts[f"{name}_optimizer"])
                 if name in schedulers:
                     st.scheduler.load_state_dict(schedulers[name])
+            else:  # not in the checkpoint (never stepped) or another layout: start fresh
+                _clear_optimizer_state(st.optimizer)
         return res
 
     # ------------------------------------------------------------------ stages

@@ -216,3 +216,12 @@ def test_value_pretrain_alone_saves_the_critic_a_later_rl_job_resumes_from(
     value = dict(resumed.step_fn.value.unwrapped[-1].named_parameters())
     for name, p in head.items():
         assert torch.equal(value[name].detach(), p)
+    # neither optimiser had stepped, so neither is in the checkpoint: both start fresh and
+    # step (a half-initialised Adam state failed here with KeyError: 'step')
+    for st in (resumed.step_fn.policy, resumed.step_fn.value):
+        for chunk in st.model:
+            for p in chunk.parameters():
+                if p.requires_grad:
+                    p.main_grad = torch.full_like(p, 1e-3, dtype=torch.float32)
+        ok, _, _ = st.optimizer.step()
+        assert ok
