@@ -306,14 +306,12 @@ def _tail_mean(xs: list[float], k: int) -> float | None:
 
 def mean_se(xs: list[float | None], fmt: str = "{:.3f}") -> str:
     """'mean ± s.e. (n = k)' of the values that are not None/NaN; s.e. = sample std / sqrt(k)."""
-    v = [float(x) for x in xs if x is not None and x == x]
-    if not v:
+    m, se, n = benchlib.mean_se(xs)
+    if not n:
         return "-"
-    m = sum(v) / len(v)
-    if len(v) < 2:
+    if n < 2:
         return f"{fmt.format(m)} (n = 1)"
-    se = math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1) / len(v))
-    return f"{fmt.format(m)} ± {fmt.format(se)} (n = {len(v)})"
+    return f"{fmt.format(m)} ± {fmt.format(se)} (n = {n})"
 
 
 def _repeats(runs) -> str:

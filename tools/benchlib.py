@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import re
@@ -270,6 +271,18 @@ def eval_curve(run_dir: Path, wall_s: float) -> list[tuple[float, float]]:
 def _mean(xs) -> float:
     v = [x for x in xs if x is not None]
     return sum(v) / len(v) if v else float("nan")
+
+
+def mean_se(xs) -> tuple[float, float, int]:
+    """(mean, standard error = sample std / sqrt(n), n) of the values that are not None/NaN;
+    se is NaN for n < 2 and both are NaN for n = 0."""
+    v = [float(x) for x in xs if x is not None and x == x]
+    n = len(v)
+    if not n:
+        return math.nan, math.nan, 0
+    m = sum(v) / n
+    se = math.sqrt(sum((x - m) ** 2 for x in v) / (n - 1) / n) if n > 1 else math.nan
+    return m, se, n
 
 
 def spread(values: list[float], fmt: str = "{:.3g}") -> str:

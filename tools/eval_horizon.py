@@ -164,18 +164,6 @@ def seed_groups(results: dict[str, dict]) -> dict[str, list[str]]:
     return groups
 
 
-def mean_se(xs: list[float]) -> tuple[float, float, int]:
-    """(mean, standard error = sample std / sqrt(n), n) of the non-NaN values; se is NaN for
-    n < 2."""
-    v = [x for x in xs if x == x]
-    n = len(v)
-    if not n:
-        return math.nan, math.nan, 0
-    m = sum(v) / n
-    se = math.sqrt(sum((x - m) ** 2 for x in v) / (n - 1) / n) if n > 1 else math.nan
-    return m, se, n
-
-
 def render_over_seeds(results: dict[str, dict[int, dict[str, float]]], horizons) -> str:
     """One row per algorithm: per horizon the success rate and the per-move error rates
     (illegal, non-optimal), each the mean ± standard error over the algorithm's seeds (one
@@ -192,7 +180,7 @@ def render_over_seeds(results: dict[str, dict[int, dict[str, float]]], horizons)
                 ("illegal_move_rate", "{:.4f}"),
                 ("non_optimal_move_rate", "{:.4f}"),
             ):
-                m, se, n = mean_se([results[x][h].get(key, math.nan) for x in names])
+                m, se, n = benchlib.mean_se([results[x][h].get(key, math.nan) for x in names])
                 cell = fmt.format(m)
                 cells.append(cell + (f" ± {fmt.format(se)}" if n > 1 else ""))
         lines.append(f"| {group} | {len(names)} | " + " | ".join(cells) + " |")
@@ -202,7 +190,8 @@ def render_over_seeds(results: dict[str, dict[int, dict[str, float]]], horizons)
 def bench_policies(bench: Path) -> dict[str, str]:
     """The policies of a bench_sao_vs_grpo.py output folder: the RL start (the first run's
     hf_policy) and every run's final policy, named "<algorithm> r<seed>"."""
-    names = {"sao": "SAO", "grpo": "GRPO", "grpo_dis": "GRPO+DIS"}
+    from bench_sao_vs_grpo import NAMES as names
+
     runs = []
     for d in bench.iterdir() if bench.is_dir() else []:
         m = re.fullmatch(r"(sao|grpo|grpo_dis)_r(\d+)", d.name)

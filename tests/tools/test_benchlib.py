@@ -211,9 +211,9 @@ def test_eval_horizon_over_seeds_mean_and_standard_error(tmp_path):
         "SAO": ["SAO r0", "SAO r1", "SAO r2"],
         "GRPO": ["GRPO r0", "GRPO r1"],
     }
-    m, se, n = eval_horizon.mean_se([0.5, 0.75, 1.0])
+    m, se, n = benchlib.mean_se([0.5, 0.75, 1.0])
     assert (m, n) == (0.75, 3) and se == pytest.approx(0.25 / 3**0.5)  # std 0.25
-    assert eval_horizon.mean_se([0.4])[2] == 1 and eval_horizon.mean_se([0.4])[1] != 0.0
+    assert benchlib.mean_se([0.4])[2] == 1 and benchlib.mean_se([0.4])[1] != 0.0
     rows = eval_horizon.render_over_seeds(results, [50]).splitlines()
     assert rows[2] == "| SFT (RL start) | 1 | 0.500 | 0.0100 | 0.0000 |"
     assert rows[3] == "| SAO | 3 | 0.750 ± 0.144 | 0.0100 ± 0.0058 | 0.0020 ± 0.0012 |"
