@@ -182,6 +182,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         from sao_megatron.platform import slow_bf16_warning
 
+        if job.precision.auto_reason is not None:
+            logging.getLogger("sao_megatron.trainer").info(
+                "precision.params_dtype=auto -> %s (%s)",
+                job.precision.params_dtype,
+                job.precision.auto_reason,
+            )
         if (slow := slow_bf16_warning(pf, job.precision.params_dtype)) is not None:
             logging.getLogger("sao_megatron.trainer").warning(slow)
     checkpoint_error = None

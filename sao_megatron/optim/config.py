@@ -17,7 +17,10 @@ class PrecisionConfig:
     fp16 adds dynamic loss scaling (Micikevicius et al. 2018, "Mixed Precision Training")."""
 
     params_dtype: str = "fp32"
-    """Model parameter dtype: "fp32", "bf16" or "fp16"."""
+    """Model parameter dtype: "fp32", "bf16", "fp16", or "auto": bf16 where the hardware
+    computes in bf16 (a CUDA GPU with bf16 support, a CPU with avx512_bf16/amx_bf16), fp32
+    elsewhere (`sao_megatron.platform.auto_params_dtype`). "auto" is resolved when the config is
+    built, so the saved config and every later read see the dtype that ran."""
     fp8: bool = False
     """FP8 GEMMs through Transformer Engine (hybrid E4M3/E5M2, delayed scaling). CUDA + TE only."""
     initial_loss_scale: float = 2.0**16
@@ -32,9 +35,16 @@ class PrecisionConfig:
     """fp16 only: a static loss scale instead of dynamic scaling (None = dynamic)."""
 
     def __post_init__(self) -> None:
+        self.auto_reason: str | None = None
+        """Why "auto" became ``params_dtype`` (None when the dtype was given); not a field."""
+        if self.params_dtype == "auto":
+            from sao_megatron.platform.platform import auto_params_dtype
+
+            self.params_dtype, self.auto_reason = auto_params_dtype()
         if self.params_dtype not in _DTYPES:
             raise ValueError(
-                f"precision.params_dtype={self.params_dtype!r}: must be one of {sorted(_DTYPES)}"
+                f"precision.params_dtype={self.params_dtype!r}: must be one of "
+                f"{sorted(_DTYPES) + ['auto']}"
             )
         if self.initial_loss_scale <= 0 or self.min_loss_scale <= 0:
             raise ValueError("precision.initial_loss_scale and min_loss_scale must be > 0")

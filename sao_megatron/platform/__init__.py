@@ -9,6 +9,7 @@ from sao_megatron.platform.cpu_compat import (
 from sao_megatron.platform.platform import (
     NATIVE_BF16_CPU_FLAGS,
     Platform,
+    auto_params_dtype,
     cpu_has_native_bf16,
     detect_platform,
     setup_platform,
@@ -21,6 +22,7 @@ __all__ = [
     "WORKAROUNDS",
     "Platform",
     "active_workarounds",
+    "auto_params_dtype",
     "cpu_has_native_bf16",
     "detect_platform",
     "disable_cpu_compat",

@@ -71,6 +71,26 @@ def slow_bf16_warning(platform: Platform, params_dtype: str, cpuinfo: str | None
     )
 
 
+def auto_params_dtype(cpuinfo: str | None = None) -> tuple[str, str]:
+    """What ``precision.params_dtype: auto`` means on this machine, and why.
+
+    Returns:
+        ``("bf16", reason)`` on a CUDA GPU that supports bf16 (``torch.cuda.is_bf16_supported``)
+        or a CPU with bf16 instructions (`cpu_has_native_bf16`, from `cpuinfo` when given);
+        ``("fp32", reason)`` otherwise, including a CPU whose flags cannot be read.
+    """
+    if torch.cuda.is_available():
+        if torch.cuda.is_bf16_supported():
+            return "bf16", f"CUDA device {torch.cuda.get_device_name()} supports bf16"
+        return "fp32", f"CUDA device {torch.cuda.get_device_name()} has no bf16 support"
+    native = cpu_has_native_bf16(cpuinfo)
+    if native:
+        return "bf16", "CPU with bf16 instructions"
+    if native is None:
+        return "fp32", "CPU whose bf16 support cannot be read from /proc/cpuinfo"
+    return "fp32", f"CPU without bf16 instructions (none of {', '.join(NATIVE_BF16_CPU_FLAGS)})"
+
+
 def detect_platform(local_rank: int = 0) -> Platform:
     """Pick the platform from ``torch.cuda.is_available()`` (and TE importability on CUDA).
 
