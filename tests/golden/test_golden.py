@@ -1,5 +1,11 @@
 """Golden runs: today's SAO and GRPO steps reproduce the recorded losses, gradient norms,
-deviation metrics and trained log-probs bit for bit (fp32), at 1 rank and at EP=2 on 2 ranks.
+deviation metrics and trained log-probs (fp32), at 1 rank and at EP=2 on 2 ranks.
+
+Bit for bit holds only on a CPU with the recording machine's instruction set: the figures were
+recorded on an EPYC with AVX-512, and on an AVX2-only EPYC (2026-12-02) PyTorch's fp32 kernels
+round differently, by at most 4.8e-7 absolute on any figure (the largest relative difference,
+6e-6, on a KL estimate of -0.0048). So each figure must match within `ABS_TOL` + `REL_TOL`
+x |golden|: ~2 ulp-scale rounding passes, a changed formula or order of operations does not.
 
 The figures in golden_values.json were recorded from the trainer before the restructure of the
 algorithm interface (issue 12); a refactor must leave them unchanged.
@@ -17,6 +23,14 @@ from tests.conftest import launch
 from tests.golden import golden_worker
 from tests.golden.record import GOLDEN
 
+ABS_TOL, REL_TOL = 2e-6, 2e-5
+
+
+def _close(got: float, want: float) -> bool:
+    if math.isnan(want):
+        return math.isnan(got)
+    return math.isclose(got, want, rel_tol=REL_TOL, abs_tol=ABS_TOL)
+
 
 def _assert_same(got: dict, want: dict, run: str) -> None:
     assert len(got["steps"]) == len(want["steps"]) == golden_worker.NUM_STEPS
@@ -24,9 +38,9 @@ def _assert_same(got: dict, want: dict, run: str) -> None:
         missing = sorted(set(w) - set(g))
         assert not missing, f"{run} step {k}: metrics no longer logged: {missing}"
         for name, value in w.items():
-            same = g[name] == value or (math.isnan(value) and math.isnan(g[name]))
-            assert same, f"{run} step {k} {name}: {g[name]!r} != golden {value!r}"
-    assert got["probe_logprobs"] == want["probe_logprobs"], f"{run}: trained log-probs differ"
+            assert _close(g[name], value), f"{run} step {k} {name}: {g[name]!r} != golden {value!r}"
+    pairs = zip(got["probe_logprobs"], want["probe_logprobs"], strict=True)
+    assert all(_close(g, w) for g, w in pairs), f"{run}: trained log-probs differ"
 
 
 @pytest.fixture(scope="module")
