@@ -206,6 +206,29 @@ def bench_policies(bench: Path) -> dict[str, str]:
     return out
 
 
+def _cache_file(out_dir: Path, name: str) -> Path:
+    return out_dir / "policies" / (re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_") + ".json")
+
+
+def load_cached(out_dir: Path, name: str, key: dict) -> dict | None:
+    """A policy's saved {temperature: {horizon: figures}} when it was evaluated with the same
+    `key` (folder, config, overrides, horizons, task count, temperatures); else None."""
+    path = _cache_file(out_dir, name)
+    if not path.exists():
+        return None
+    saved = json.loads(path.read_text())
+    if saved["key"] != key:
+        return None
+    return {float(t): {int(h): r for h, r in res.items()} for t, res in saved["results"].items()}
+
+
+def save_cached(out_dir: Path, name: str, key: dict, by_t: dict) -> None:
+    """Save one policy's result as soon as it is measured (a stopped run keeps it)."""
+    path = _cache_file(out_dir, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"key": key, "results": by_t}, indent=1))
+
+
 def plot(results, horizons, path: Path, title: str) -> None:
     import matplotlib
 
@@ -273,6 +296,14 @@ def main(argv=None) -> int:
         help="sampling temperatures to evaluate at (default: the config's rollout.temperature)",
     )
     ap.add_argument("--write", action="store_true", help="update docs/BENCHMARKS.md")
+    ap.add_argument("--section", default="Success by horizon", help="docs/BENCHMARKS.md section")
+    ap.add_argument(
+        "--fresh",
+        action="store_true",
+        help="evaluate every policy again (default: reuse a policy's saved result in "
+        "<bench-dir>/eval_horizon/policies/ when its folder, horizons, task count, temperatures "
+        "and overrides are the same)",
+    )
     ap.add_argument(
         "--replot",
         action="store_true",
@@ -300,11 +331,32 @@ def main(argv=None) -> int:
         hf = Path(path)
         if not (hf / "config.json").exists():
             ap.error(f"--policy {name}={path}: no Hugging Face folder (config.json) there")
-        print(f"[eval] {name}: {hf}", flush=True)
         temps = args.temperatures or [job.rollout.temperature]
-        by_t = evaluate_policy(
-            hf, job, args.horizons, args.num_tasks, out_dir / f"engine{i}", args.concurrency, temps
-        )
+        key = {
+            "hf_dir": str(hf.resolve()),
+            "config": args.config,
+            "overrides": args.override,
+            "horizons": args.horizons,
+            "num_tasks": args.num_tasks,
+            "temperatures": temps,
+        }
+        by_t = None if args.fresh else load_cached(out_dir, name, key)
+        if by_t is None:
+            print(f"[eval] {name}: {hf}", flush=True)
+            by_t = evaluate_policy(
+                hf,
+                job,
+                args.horizons,
+                args.num_tasks,
+                out_dir / f"engine{i}",
+                args.concurrency,
+                temps,
+            )
+            save_cached(out_dir, name, key, by_t)
+        else:
+            print(
+                f"[eval] {name}: reusing its saved result (--fresh to evaluate again)", flush=True
+            )
         for t, res in by_t.items():
             results[name if len(temps) == 1 else f"{name}, T={t:g}"] = res
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -328,7 +380,10 @@ def main(argv=None) -> int:
         cmd = (
             f"python tools/eval_horizon.py --bench-dir {args.bench_dir} --config {args.config} "
             f"--horizons {' '.join(map(str, args.horizons))} --num-tasks {args.num_tasks}"
-            f"{temps if args.temperatures else ''} --write"
+            f"{temps if args.temperatures else ''}"
+            + (f' --section "{args.section}"' if args.section != ap.get_default("section") else "")
+            + " --write"
+            + "".join(f" {o}" for o in args.override)
         )
         wall = sum(r["wall_s"] for res in results.values() for r in res.values())
         body = (
@@ -339,7 +394,7 @@ def main(argv=None) -> int:
             f"{args.num_tasks} held-out tasks per horizon (the same tasks for every policy).\n\n"
             f"{table}\n\n![success by horizon](img/eval_horizon.png)\n\n<!-- reading -->\n"
         )
-        benchlib.write_section("Success by horizon", body)
+        benchlib.write_section(args.section, body)
     return 0
 
 

@@ -260,3 +260,21 @@ def test_shared_value_pretrain_runs_once_and_each_sao_run_gets_its_own_copy(tmp_
     assert copied.read_text() == "critic"
     src = tmp_path / "vp" / "checkpoints" / "rl" / "step_00000000" / "weights"
     assert copied.stat().st_ino != src.stat().st_ino  # a copy: the run may rewrite its own
+
+
+def test_eval_horizon_reuses_a_policy_result_only_for_the_same_evaluation(tmp_path):
+    key = {
+        "hf_dir": "/r/sao_r0/hf_policy_final",
+        "horizons": [50, 200],
+        "num_tasks": 24,
+        "temperatures": [1.0],
+        "config": "c.yaml",
+        "overrides": ["a.b=1"],
+    }
+    by_t = {1.0: {50: {"success_rate": 0.75}, 200: {"success_rate": 0.25}}}
+    assert eval_horizon.load_cached(tmp_path, "SAO r0", key) is None
+    eval_horizon.save_cached(tmp_path, "SAO r0", key, by_t)
+    assert eval_horizon.load_cached(tmp_path, "SAO r0", key) == by_t
+    assert eval_horizon.load_cached(tmp_path, "SAO r1", key) is None
+    for field, other in (("num_tasks", 16), ("horizons", [50]), ("overrides", [])):
+        assert eval_horizon.load_cached(tmp_path, "SAO r0", key | {field: other}) is None
