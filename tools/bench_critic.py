@@ -224,7 +224,8 @@ def collect_in_trainer(args, sft: Path, out: Path) -> Path:
     from sao_megatron.models.forward import causal_padding_mask
     from sao_megatron.rollout.engine import Generation
     from sao_megatron.rollout.runner import run_episode, stop_token_ids
-    from sao_megatron.trainer.controller import Controller, TaskStream
+    from sao_megatron.trainer.controller import Controller
+    from sao_megatron.trainer.run_state import TaskStream
 
     path = out / "rollouts.pt"
     if path.exists():

@@ -18,10 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
-import random
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,21 +37,30 @@ from sao_megatron.parallel.roles import RoleLayout, split_roles
 from sao_megatron.parallel.state import ParallelState
 from sao_megatron.rollout import serve as remote
 from sao_megatron.rollout.engine import EngineClient, EngineError, EngineProcess
-from sao_megatron.rollout.manager import RolloutManager, Task
+from sao_megatron.rollout.manager import RolloutManager
 from sao_megatron.trainer import report, runtime, signals
-from sao_megatron.trainer.checkpoint import CheckpointManager, CommonState, step_dir_name
+from sao_megatron.trainer.checkpoint import (
+    CheckpointManager,
+    CommonState,
+    clear_optimizer_state,
+    step_dir_name,
+)
 from sao_megatron.trainer.checkpoint.role_parts import merge_from_value_ranks, role_split_parts
 from sao_megatron.trainer.critic_placement import SeparateCriticStep, check_separate_job
 from sao_megatron.trainer.evaluate import evaluate
-from sao_megatron.trainer.job import JobConfig, TasksConfig
+from sao_megatron.trainer.job import JobConfig
 from sao_megatron.trainer.metrics import (
     EVAL_FILE,
     MetricsLogger,
     Timer,
+    episode_metrics,
+    eval_summary,
     peak_memory_gib,
     reset_peak_memory,
+    rollout_metrics,
 )
 from sao_megatron.trainer.rl_step import RLStep, StepConfig
+from sao_megatron.trainer.run_state import RLRunState, TaskStream, task_index
 from sao_megatron.trainer.sft import SequenceSampler, sft_step
 from sao_megatron.weight_sync import export_hf, gather_hf_weights, publish_policy, sync_engines
 
@@ -62,33 +68,6 @@ log = logging.getLogger("sao_megatron.trainer")
 
 #: CommonState.extra key of the rollout's per-status episode counts (`StatusCounters`)
 EPISODE_STATUS_KEY = "episode_status_counts"
-
-
-@dataclasses.dataclass(kw_only=True)
-class RLRunState:
-    """The RL stage's counters: what the loop carries and the checkpoint saves.
-
-    Fields:
-        step: completed policy updates (train steps).
-        policy_version: version of the policy weights the engines serve (k after k updates).
-        value_pretrain_steps: completed value pre-training steps.
-    The task cursor is the `TaskStream`'s own state (saved next to this one).
-    """
-
-    step: int = 0
-    policy_version: int = 0
-    value_pretrain_steps: int = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore from `state_dict()`; raises ValueError on a missing or unknown key."""
-        names = {f.name for f in dataclasses.fields(self)}
-        if set(state) != names:
-            raise ValueError(f"RLRunState: checkpoint holds {sorted(state)}, want {sorted(names)}")
-        for name in names:
-            setattr(self, name, int(state[name]))
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -107,70 +86,6 @@ class RLParts:
     checkpoints: CheckpointManager
     run: RLRunState
     rollout: RolloutManager | None
-
-
-class TaskStream:
-    """The endless, seeded stream of RL tasks (a `Task` per draw).
-
-    The checkpointed cursor is `consumed`, the number of tasks the trainer has trained on
-    (`consume`). Restoring it (`load_state_dict`) skips the first `consumed` tasks: in
-    synchronous mode (rollout.max_staleness=0) the trained tasks are exactly the first ones
-    drawn, so a resumed run sees the same tasks as an uninterrupted one; asynchronously, tasks
-    that were in flight at the checkpoint are run again.
-
-    Args:
-        tasks: the ``tasks`` section (train environments, weights, train_seed).
-    """
-
-    def __init__(self, tasks: TasksConfig) -> None:
-        self._seed = f"tasks:{tasks.train_seed}"
-        self._specs = tasks.train
-        self._weights = [e.weight for e in tasks.train]
-        self._rng = random.Random(self._seed)
-        self.drawn = 0
-        self.consumed = 0
-
-    def _draw(self) -> Task:
-        spec = self._rng.choices(self._specs, self._weights)[0]
-        seed = self._rng.randrange(2**31)
-        self.drawn += 1
-        return Task(task_id=f"{spec.name}:{seed}:{self.drawn - 1}", make_env=spec.build, seed=seed)
-
-    def __iter__(self) -> Iterator[Task]:
-        return self
-
-    def __next__(self) -> Task:
-        return self._draw()
-
-    def consume(self, num_tasks: int) -> None:
-        """Count `num_tasks` more tasks as trained on."""
-        self.consumed += num_tasks
-
-    def state_dict(self) -> dict[str, int]:
-        return {"tasks_consumed": self.consumed}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue after the first ``state["tasks_consumed"]`` tasks of the seeded stream.
-
-        Raises ValueError once tasks were drawn (load before the rollout starts drawing).
-        """
-        if self.drawn:
-            raise ValueError("TaskStream.load_state_dict after tasks were drawn: load it first")
-        self._rng = random.Random(self._seed)
-        self.consumed = int(state["tasks_consumed"])
-        while self.drawn < self.consumed:
-            self._draw()
-
-
-def _clear_optimizer_state(optimizer) -> None:
-    """Empty the torch optimisers' per-parameter state under a Megatron optimiser (or a chain).
-
-    Building a sharded state dict for loading (``is_loading=True``) fills the Adam state with
-    zero moments but no ``step`` (Megatron keeps it in the param groups until a load puts it
-    back); when that optimiser part is then not loaded, torch's Adam fails on its first step
-    with ``KeyError: 'step'``. An empty state is what a fresh optimiser has."""
-    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        opt.optimizer.state.clear()
 
 
 class Controller:
@@ -267,7 +182,7 @@ class Controller:
                 if name in schedulers:
                     st.scheduler.load_state_dict(schedulers[name])
             else:  # not in the checkpoint (never stepped) or another layout: start fresh
-                _clear_optimizer_state(st.optimizer)
+                clear_optimizer_state(st.optimizer)
         return res
 
     # ------------------------------------------------------------------ stages
@@ -440,7 +355,7 @@ class Controller:
         if not metrics:
             return
         if self.rank0:
-            log.info("held-out evaluation at step %d: %s", step, _eval_summary(metrics))
+            log.info("held-out evaluation at step %d: %s", step, eval_summary(metrics))
         cfg = dataclasses.replace(self.job.logging, console=False)
         rl_dir = self.run_dir / "rl"
         with MetricsLogger(cfg, rl_dir, is_logging_rank=self.rank0, metrics_file=EVAL_FILE) as lg:
@@ -613,7 +528,7 @@ class Controller:
                 run.value_pretrain_steps += 1  # separate: the critic trains, the policy ranks
                 m = rl.step_fn.value_step(batch)  # receive its metrics
                 m = broadcast_from_last_stage(m, self.train_parallel)
-                logger.log(run.value_pretrain_steps, m | _episode_metrics(batch))
+                logger.log(run.value_pretrain_steps, m | episode_metrics(batch))
         self.summary["rl/value_pretrain_s"] = time.perf_counter() - self._clock
 
     def _rl_loop(self, rl: RLParts) -> dict[str, float]:
@@ -676,7 +591,7 @@ class Controller:
                     self._last_eval_s = elapsed
                 if job.rl.time_budget_s and not out_of_time:  # rank 0's clock decides for all
                     out_of_time = bool(broadcast_from_rank0(elapsed >= job.rl.time_budget_s))
-                m |= _episode_metrics(batch) | mem | {"time/rl_elapsed_s": elapsed}
+                m |= episode_metrics(batch) | mem | {"time/rl_elapsed_s": elapsed}
                 m |= self._step_metrics(batch, timer.summary(), rl.rollout)
                 logger.log(run.step, m)
                 # any rank got SIGTERM/SIGUSR1 (or the stop file); sticky until the stop
@@ -768,7 +683,7 @@ class Controller:
         out["throughput/train_tokens_per_s"] = int(batch.loss_mask.sum()) / max(
             times.get("time/train", 0.0), 1e-9
         )
-        return out | (_rollout_metrics(rollout.stats()) if rollout else {})
+        return out | (rollout_metrics(rollout.stats()) if rollout else {})
 
     def _save_rl(self, rl: RLParts) -> None:
         """The RL checkpoint (collective; with a role split each role saves its own model and
@@ -795,7 +710,7 @@ class Controller:
         if rollout is not None:
             trajs = rollout.get_batch(version, timeout=self.job.rl.batch_timeout_s)
             # completion order is timing-dependent; a fixed order makes runs reproducible
-            trajs.sort(key=lambda t: (_task_index(t.task_id), t.group_index))
+            trajs.sort(key=lambda t: (task_index(t.task_id), t.group_index))
             self.tasks.consume(len({t.task_id for t in trajs}))
         trajs = broadcast_from_rank0(trajs)
         tp = self.parallel.cfg.tp if self.parallel.cfg.sequence_parallel else 1
@@ -821,52 +736,6 @@ class Controller:
         return broadcast_from_rank0(out) or {}
 
 
-def _rollout_metrics(stats: dict) -> dict[str, float]:
-    """The rollout's counters, with the throughput/utilisation figures under standard names."""
-    out = dict(stats)
-    out["throughput/rollout_trajectories_per_s"] = out.pop("rollout/trajectories_per_s", 0.0)
-    out["throughput/rollout_tokens_per_s"] = out.pop("rollout/tokens_per_s", 0.0)
-    util = [v for k, v in stats.items() if k.startswith("engine/") and k.endswith("/utilisation")]
-    if util:
-        out["rollout/worker_utilization"] = sum(util) / len(util)
-    return out
-
-
-def _eval_summary(metrics: dict[str, float]) -> str:
-    """One console line of an evaluation: each env's success rate with its standard error and
-    task count, then the episode errors (e.g. ``chain_sum 10.2% +- 1.9 (256 tasks); 0 errors``)."""
-    parts = []
-    for key, rate in sorted(metrics.items()):
-        if key.startswith("eval/") and key.endswith("/success_rate") and key.count("/") == 2:
-            env = key.split("/")[1]
-            se = metrics.get(f"eval/{env}/success_se", math.nan)
-            n = metrics.get(f"eval/{env}/num_tasks", math.nan)
-            parts.append(f"{env} {100 * rate:.1f}% +- {100 * se:.1f} ({n:.0f} tasks)")
-    errors = metrics.get("eval/num_errors", 0.0)
-    return "; ".join(parts) + f"; {errors:.0f} errors"
-
-
 def _step_of(checkpoint: Path) -> int:
     """The train step of a checkpoint folder named ``step_NNNNNNNN`` (`step_dir_name`)."""
     return int(checkpoint.name.rsplit("_", 1)[1])
-
-
-def _task_index(task_id: str) -> int:
-    """Position of a task in the `TaskStream` (its id ends with ':<index>')."""
-    return int(task_id.rsplit(":", 1)[1])
-
-
-def _episode_metrics(batch) -> dict[str, float]:
-    """Reward, success and length statistics of the batch's trajectories."""
-    totals = batch.node_rewards.sum(1)
-    cut = batch.cut_action if batch.cut_action is not None else batch.truncated & False
-    truncated = batch.truncated | cut
-    return {
-        "reward/mean": float(totals.mean()),
-        "reward/success_rate": float((totals >= 1.0 - 1e-6).float().mean()),
-        "episode/length_mean": float(batch.num_nodes.float().mean()),
-        # budget-truncated or cut at the token budget (the latter do not bootstrap)
-        "episode/truncated_fraction": float(truncated.float().mean()),
-        "episode/cut_action_fraction": float(cut.float().mean()),
-        "episode/action_tokens_per_trajectory": batch.num_action_tokens / batch.num_trajectories,
-    }

@@ -428,3 +428,44 @@ def peak_memory_gib() -> dict[str, float]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["memory/peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return out
+
+
+def rollout_metrics(stats: dict) -> dict[str, float]:
+    """The rollout's counters, with the throughput/utilisation figures under standard names."""
+    out = dict(stats)
+    out["throughput/rollout_trajectories_per_s"] = out.pop("rollout/trajectories_per_s", 0.0)
+    out["throughput/rollout_tokens_per_s"] = out.pop("rollout/tokens_per_s", 0.0)
+    util = [v for k, v in stats.items() if k.startswith("engine/") and k.endswith("/utilisation")]
+    if util:
+        out["rollout/worker_utilization"] = sum(util) / len(util)
+    return out
+
+
+def eval_summary(metrics: dict[str, float]) -> str:
+    """One console line of an evaluation: each env's success rate with its standard error and
+    task count, then the episode errors (e.g. ``chain_sum 10.2% +- 1.9 (256 tasks); 0 errors``)."""
+    parts = []
+    for key, rate in sorted(metrics.items()):
+        if key.startswith("eval/") and key.endswith("/success_rate") and key.count("/") == 2:
+            env = key.split("/")[1]
+            se = metrics.get(f"eval/{env}/success_se", math.nan)
+            n = metrics.get(f"eval/{env}/num_tasks", math.nan)
+            parts.append(f"{env} {100 * rate:.1f}% +- {100 * se:.1f} ({n:.0f} tasks)")
+    errors = metrics.get("eval/num_errors", 0.0)
+    return "; ".join(parts) + f"; {errors:.0f} errors"
+
+
+def episode_metrics(batch) -> dict[str, float]:
+    """Reward, success and length statistics of the batch's trajectories."""
+    totals = batch.node_rewards.sum(1)
+    cut = batch.cut_action if batch.cut_action is not None else batch.truncated & False
+    truncated = batch.truncated | cut
+    return {
+        "reward/mean": float(totals.mean()),
+        "reward/success_rate": float((totals >= 1.0 - 1e-6).float().mean()),
+        "episode/length_mean": float(batch.num_nodes.float().mean()),
+        # budget-truncated or cut at the token budget (the latter do not bootstrap)
+        "episode/truncated_fraction": float(truncated.float().mean()),
+        "episode/cut_action_fraction": float(cut.float().mean()),
+        "episode/action_tokens_per_trajectory": batch.num_action_tokens / batch.num_trajectories,
+    }

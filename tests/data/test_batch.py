@@ -118,8 +118,8 @@ def test_cut_action_is_not_bootstrapped():
     assert batch.cut_action.tolist() == [False, False, False, True]
     assert batch.truncated.dtype == batch.cut_action.dtype == torch.bool
 
-    from sao_megatron.trainer.controller import _episode_metrics
+    from sao_megatron.trainer.metrics import episode_metrics
 
-    m = _episode_metrics(batch)
+    m = episode_metrics(batch)
     assert m["episode/truncated_fraction"] == 0.5  # b (budget) and c (cut)
     assert m["episode/cut_action_fraction"] == 0.25

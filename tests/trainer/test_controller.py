@@ -10,8 +10,9 @@ import json
 import pytest
 
 from sao_megatron.configs import load_config, to_yaml
-from sao_megatron.trainer.controller import Controller, RLRunState, TaskStream
+from sao_megatron.trainer.controller import Controller
 from sao_megatron.trainer.job import JobConfig, TasksConfig
+from sao_megatron.trainer.run_state import RLRunState, TaskStream
 from tests.conftest import tiny_moe_kwargs
 
 

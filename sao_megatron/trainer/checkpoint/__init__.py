@@ -31,10 +31,11 @@ TP/PP/EP layout). Which layout changes keep the optimiser state: docs/CHECKPOINT
 
 The rollout buffer is not saved: trajectories are regenerated from the task cursor (`state`).
 
-Modules: `config` (CheckpointConfig), `errors`, `state` (Stateful, CommonState), `rng`, `io`
-(fsync, atomic writes, sha256), `manifest` (layout on disk, validation, compatibility),
-`collectives` (rank-0 broadcast/gather/barrier), `manager` (CheckpointManager), `role_parts`
-(the parts of a world split into policy and value ranks, ``value.placement: separate``).
+Modules: `config` (CheckpointConfig), `errors`, `state` (Stateful, CommonState,
+clear_optimizer_state), `rng`, `io` (fsync, atomic writes, sha256), `manifest` (layout on
+disk, validation, compatibility), `collectives` (rank-0 broadcast/gather/barrier), `manager`
+(CheckpointManager), `role_parts` (the parts of a world split into policy and value ranks,
+``value.placement: separate``).
 
 Files hold pickles (``torch.load(weights_only=False)``): load only checkpoints you trust.
 """
@@ -70,6 +71,6 @@ _MODULES = {
         "set_replica_ids",
         "with_other_roles_parts",
     ),
-    "state": ("CommonState", "Stateful"),
+    "state": ("CommonState", "Stateful", "clear_optimizer_state"),
 }
 __getattr__, __all__ = lazy_exports(__name__, _MODULES)

@@ -49,3 +49,14 @@ class CommonState:
         """
         fields = {k: v for k, v in saved.items() if k not in ("states", "buffer_state")}
         return cls(**fields)
+
+
+def clear_optimizer_state(optimizer) -> None:
+    """Empty the torch optimisers' per-parameter state under a Megatron optimiser (or a chain).
+
+    Building a sharded state dict for loading (``is_loading=True``) fills the Adam state with
+    zero moments but no ``step`` (Megatron keeps it in the param groups until a load puts it
+    back); when that optimiser part is then not loaded, torch's Adam fails on its first step
+    with ``KeyError: 'step'``. An empty state is what a fresh optimiser has."""
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        opt.optimizer.state.clear()

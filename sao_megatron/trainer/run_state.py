@@ -1,0 +1,97 @@
+"""What the RL loop carries between steps and checkpoints: its counters (`RLRunState`) and the
+seeded stream of training tasks (`TaskStream`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Iterator
+from typing import Any
+
+from sao_megatron.rollout.manager import Task
+from sao_megatron.trainer.job import TasksConfig
+
+
+@dataclasses.dataclass(kw_only=True)
+class RLRunState:
+    """The RL stage's counters: what the loop carries and the checkpoint saves.
+
+    Fields:
+        step: completed policy updates (train steps).
+        policy_version: version of the policy weights the engines serve (k after k updates).
+        value_pretrain_steps: completed value pre-training steps.
+    The task cursor is the `TaskStream`'s own state (saved next to this one).
+    """
+
+    step: int = 0
+    policy_version: int = 0
+    value_pretrain_steps: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from `state_dict()`; raises ValueError on a missing or unknown key."""
+        names = {f.name for f in dataclasses.fields(self)}
+        if set(state) != names:
+            raise ValueError(f"RLRunState: checkpoint holds {sorted(state)}, want {sorted(names)}")
+        for name in names:
+            setattr(self, name, int(state[name]))
+
+
+class TaskStream:
+    """The endless, seeded stream of RL tasks (a `Task` per draw).
+
+    The checkpointed cursor is `consumed`, the number of tasks the trainer has trained on
+    (`consume`). Restoring it (`load_state_dict`) skips the first `consumed` tasks: in
+    synchronous mode (rollout.max_staleness=0) the trained tasks are exactly the first ones
+    drawn, so a resumed run sees the same tasks as an uninterrupted one; asynchronously, tasks
+    that were in flight at the checkpoint are run again.
+
+    Args:
+        tasks: the ``tasks`` section (train environments, weights, train_seed).
+    """
+
+    def __init__(self, tasks: TasksConfig) -> None:
+        self._seed = f"tasks:{tasks.train_seed}"
+        self._specs = tasks.train
+        self._weights = [e.weight for e in tasks.train]
+        self._rng = random.Random(self._seed)
+        self.drawn = 0
+        self.consumed = 0
+
+    def _draw(self) -> Task:
+        spec = self._rng.choices(self._specs, self._weights)[0]
+        seed = self._rng.randrange(2**31)
+        self.drawn += 1
+        return Task(task_id=f"{spec.name}:{seed}:{self.drawn - 1}", make_env=spec.build, seed=seed)
+
+    def __iter__(self) -> Iterator[Task]:
+        return self
+
+    def __next__(self) -> Task:
+        return self._draw()
+
+    def consume(self, num_tasks: int) -> None:
+        """Count `num_tasks` more tasks as trained on."""
+        self.consumed += num_tasks
+
+    def state_dict(self) -> dict[str, int]:
+        return {"tasks_consumed": self.consumed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue after the first ``state["tasks_consumed"]`` tasks of the seeded stream.
+
+        Raises ValueError once tasks were drawn (load before the rollout starts drawing).
+        """
+        if self.drawn:
+            raise ValueError("TaskStream.load_state_dict after tasks were drawn: load it first")
+        self._rng = random.Random(self._seed)
+        self.consumed = int(state["tasks_consumed"])
+        while self.drawn < self.consumed:
+            self._draw()
+
+
+def task_index(task_id: str) -> int:
+    """Position of a task in the `TaskStream` (its id ends with ':<index>')."""
+    return int(task_id.rsplit(":", 1)[1])
