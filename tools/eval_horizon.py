@@ -374,13 +374,16 @@ def main(argv=None) -> int:
     plot(results, args.horizons, png, f"Held-out Hanoi by horizon ({args.num_tasks} tasks each)")
     if args.write:
         info = benchlib.machine_info()
-        img = REPO / "docs" / "img" / "eval_horizon.png"
+        slug = re.sub(r"[^a-z0-9]+", "_", args.section.lower()).strip("_")
+        name = "eval_horizon" if args.section == ap.get_default("section") else f"eval_{slug}"
+        img = REPO / "docs" / "img" / f"{name}.png"
         img.write_bytes(png.read_bytes())
         temps = " --temperatures " + " ".join(f"{t:g}" for t in args.temperatures or [])
         cmd = (
             f"python tools/eval_horizon.py --bench-dir {args.bench_dir} --config {args.config} "
             f"--horizons {' '.join(map(str, args.horizons))} --num-tasks {args.num_tasks}"
             f"{temps if args.temperatures else ''}"
+            + "".join(f' --policy "{p}"' for p in args.policy)
             + (f' --section "{args.section}"' if args.section != ap.get_default("section") else "")
             + " --write"
             + "".join(f" {o}" for o in args.override)
@@ -392,7 +395,7 @@ def main(argv=None) -> int:
             "(initial optimal distance minus the distance when the episode ended; a move away "
             "from the goal counts -1) and moves played, means over "
             f"{args.num_tasks} held-out tasks per horizon (the same tasks for every policy).\n\n"
-            f"{table}\n\n![success by horizon](img/eval_horizon.png)\n\n<!-- reading -->\n"
+            f"{table}\n\n![success by horizon](img/{img.name})\n\n<!-- reading -->\n"
         )
         benchlib.write_section(args.section, body)
     return 0

