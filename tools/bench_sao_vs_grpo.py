@@ -27,7 +27,6 @@ import argparse
 import dataclasses
 import json
 import math
-import re
 import shutil
 from pathlib import Path
 
@@ -147,8 +146,7 @@ def main(argv=None) -> int:
         json.dumps({a: [f.__dict__ for f in fs] for a, fs in runs.items()}, indent=1)
     )
     if args.write:
-        slug = re.sub(r"[^a-z0-9]+", "_", args.section.lower()).strip("_")
-        img = REPO / "docs" / "img" / f"bench_{slug}.png"
+        img = REPO / "docs" / "img" / f"bench_{benchlib.section_slug(args.section)}.png"
         img.write_bytes(plot.read_bytes())
         flags = [f"--repeats {args.repeats}", f"--budget-s {args.budget_s:g}"]
         if args.algorithms != ap.get_default("algorithms"):

@@ -311,6 +311,12 @@ def smooth(points: list[tuple[float, float]], window: int = 5) -> tuple[list[flo
 READING = "<!-- reading -->"
 
 
+def section_slug(section: str) -> str:
+    """A docs/BENCHMARKS.md section title as a file-name part: lower case, every run of other
+    characters one underscore (e.g. "SAO vs GRPO (seeds)" -> "sao_vs_grpo_seeds")."""
+    return re.sub(r"[^a-z0-9]+", "_", section.lower()).strip("_")
+
+
 def write_section(heading: str, body: str, doc: Path = DOC) -> None:
     """Replace (or append) the ``## heading`` section of docs/BENCHMARKS.md with `body`.
 

@@ -374,8 +374,8 @@ def main(argv=None) -> int:
     plot(results, args.horizons, png, f"Held-out Hanoi by horizon ({args.num_tasks} tasks each)")
     if args.write:
         info = benchlib.machine_info()
-        slug = re.sub(r"[^a-z0-9]+", "_", args.section.lower()).strip("_")
-        name = "eval_horizon" if args.section == ap.get_default("section") else f"eval_{slug}"
+        default = args.section == ap.get_default("section")
+        name = "eval_horizon" if default else f"eval_{benchlib.section_slug(args.section)}"
         img = REPO / "docs" / "img" / f"{name}.png"
         img.write_bytes(png.read_bytes())
         temps = " --temperatures " + " ".join(f"{t:g}" for t in args.temperatures or [])
