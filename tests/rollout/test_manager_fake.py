@@ -128,14 +128,19 @@ def test_env_exception_and_malformed_reply_drop_only_that_episode(fakes, tmp_pat
     ]
     with make_manager(tmp_path, tasks=tasks, max_staleness=100) as m:
         got = m.get_batch(0, timeout=300) + m.get_batch(0, timeout=300)
-        fakes[1].mode = "malformed"
-        got += m.get_batch(0, timeout=300)
-        assert m.counters["failed_groups"] >= 5
+        fakes[1].mode = "malformed"  # every later reply of engine1 is garbled
+        # How many tasks land on engine1 max_episode_attempts times (and are dropped) depends
+        # on the router's timing; what must hold is the accounting below.
         with pytest.raises(RuntimeError, match="task source is exhausted"):
-            m.get_batch(0, timeout=30)  # 20 tasks - 5 failing = 15 < 4 batches
+            while True:
+                got += m.get_batch(0, timeout=300)
+        left, failed = m.buffer.num_ready(), m.counters["failed_groups"]
+        assert m.counters["requeued_engine"] >= 1  # a garbled reply retries the task first
     ids = [t.task_id for t in got]
-    assert len(ids) == len(set(ids)) == 12
-    assert not {f"t{i}" for i in range(0, 20, 4)} & set(ids)
+    assert len(ids) == len(set(ids)) and len(ids) >= 8
+    assert not {f"t{i}" for i in range(0, 20, 4)} & set(ids)  # the env bug drops its task
+    assert failed >= 5 and left < 4
+    assert len(ids) + left + failed == 20  # every other task was trained on or is waiting
 
 
 def test_staleness_bound_holds_under_a_slow_trainer(fakes, tmp_path):
