@@ -7,9 +7,10 @@ for ~1000. Here both train from one SFT start of a job config for `--steps` poli
 trains, so trained tokens are up to that many versions old) and the deviation controller off
 (a fixed bound, as in the paper's runs). Per run the script reads run_dir/rl/metrics.jsonl and
 reports, per quarter of the run: batch reward, policy entropy, mean |1 - r|, DIS-dropped or
-PPO-clipped share, and version lag; it flags a collapse when the reward of the last quarter
-falls below half the best quarter's and the entropy has moved by more than 50% from the first
-quarter (either direction: collapse to a deterministic or to a uniform policy).
+PPO-clipped share, version lag and the critic's explained variance (SAO); it flags a collapse
+when the reward of the last quarter falls below half the best quarter's and the entropy has
+moved by more than 50% from the first quarter (either direction: collapse to a deterministic
+or to a uniform policy).
 
     python tools/bench_stability.py --steps 150 --max-staleness 4 --write
 
@@ -35,6 +36,7 @@ SERIES = {
     "abs(1-r)": "deviation/abs_one_minus_ratio_mean",
     "dropped": "deviation/dropped_fraction",
     "lag": "deviation/version_lag_mean",
+    "value EV": "value/explained_variance",  # SAO's critic; absent for GRPO
 }
 
 
@@ -84,10 +86,12 @@ def plot(runs: dict[str, dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
+    fig, axes = plt.subplots(1, 5, figsize=(25, 4))
     colours = {"sao": "tab:blue", "grpo": "tab:orange", "grpo_dis": "tab:green"}
     for algo, f in runs.items():
-        for ax, name in zip(axes, ("reward", "entropy", "abs(1-r)", "lag"), strict=True):
+        for ax, name in zip(
+            axes, ("reward", "entropy", "abs(1-r)", "lag", "value EV"), strict=True
+        ):
             pts = f["curves"][name]
             if not pts:
                 continue
@@ -97,7 +101,8 @@ def plot(runs: dict[str, dict], path: Path, title: str) -> None:
     axes[2].set_yscale("log")
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.lines:  # the critic EV panel is empty for critic-free runs
+            ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -112,8 +117,8 @@ def _f(x: float, fmt: str = "{:.3f}") -> str:
 def table(runs: dict[str, dict]) -> str:
     lines = [
         "| run | steps | quarter | reward | entropy | mean abs(1 - r) | dropped / clipped | "
-        "version lag |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
+        "version lag | critic EV |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for algo, f in runs.items():
         q = f["quarters"]
@@ -122,7 +127,7 @@ def table(runs: dict[str, dict]) -> str:
                 f"| {NAMES[algo] if i == 0 else ''} | {f['steps'] if i == 0 else ''} | Q{i + 1} | "
                 f"{_f(q['reward'][i])} | {_f(q['entropy'][i])} | "
                 f"{_f(q['abs(1-r)'][i], '{:.2e}')} | {_f(q['dropped'][i], '{:.4f}')} | "
-                f"{_f(q['lag'][i], '{:.2f}')} |"
+                f"{_f(q['lag'][i], '{:.2f}')} | {_f(q['value EV'][i], '{:.2f}')} |"
             )
     lines += [
         "",

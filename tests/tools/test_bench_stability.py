@@ -47,6 +47,7 @@ def test_figures_read_a_run_directory(tmp_path):
     (tmp_path / "rl").mkdir()
     recs = _recs([0.1, 0.5, 0.6, 0.1], [2.0, 1.5, 1.0, 0.5])
     recs[1]["deviation/version_lag_max"] = 3.0
+    recs[2]["value/explained_variance"] = 0.4
     (tmp_path / "rl" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     summary = {"before/eval/success_rate": 0.25, "after/eval/success_rate": 0.0}
     (tmp_path / "summary.json").write_text(json.dumps(summary))
@@ -56,3 +57,8 @@ def test_figures_read_a_run_directory(tmp_path):
     assert f["collapsed"] is True  # 0.1 < 0.3, entropy 2.0 -> 0.5
     assert (f["success_before"], f["success_after"]) == (0.25, 0.0)
     assert f["curves"]["entropy"] == [(1, 2.0), (2, 1.5), (3, 1.0), (4, 0.5)]
+    assert f["curves"]["value EV"] == [(3, 0.4)]
+    ev = f["quarters"]["value EV"]
+    assert ev[2] == 0.4 and math.isnan(ev[0]) and math.isnan(ev[3])
+    row = bench.table({"sao": f}).splitlines()[4]  # Q3
+    assert row.endswith("| 0.40 |") and "| Q3 | 0.600 |" in row
