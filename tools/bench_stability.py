@@ -12,7 +12,9 @@ when the reward of the last quarter falls below half the best quarter's and the 
 moved by more than 50% from the first quarter (either direction: collapse to a deterministic
 or to a uniform policy).
 
-    python tools/bench_stability.py --steps 150 --max-staleness 4 --write
+    python tools/bench_stability.py --steps 200 --max-staleness 2 4 --write
+
+Each (staleness bound, algorithm) pair is one run, under --out/staleness<k>/<algo>.
 
 Runs are reused from --out (delete a folder to rerun it). `--write` rewrites the section
 "Long-run stability under staleness" of docs/BENCHMARKS.md.
@@ -80,7 +82,14 @@ def figures(run_dir: Path) -> dict:
     }
 
 
+def label(algo: str, staleness: int) -> str:
+    """A run's row label: 'SAO, staleness 4'."""
+    return f"{NAMES[algo]}, staleness {staleness}"
+
+
 def plot(runs: dict[str, dict], path: Path, title: str) -> None:
+    """One panel per series; colour by algorithm, line style by staleness bound. `runs` maps a
+    row label to `figures()` plus 'algo' and 'staleness'."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -88,7 +97,10 @@ def plot(runs: dict[str, dict], path: Path, title: str) -> None:
 
     fig, axes = plt.subplots(1, 5, figsize=(25, 4))
     colours = {"sao": "tab:blue", "grpo": "tab:orange", "grpo_dis": "tab:green"}
-    for algo, f in runs.items():
+    styles = ["-", "--", ":", "-."]
+    bounds = sorted({f.get("staleness", 0) for f in runs.values()})
+    for name_, f in runs.items():
+        algo, style = f.get("algo", name_), styles[bounds.index(f.get("staleness", 0)) % 4]
         for ax, name in zip(
             axes, ("reward", "entropy", "abs(1-r)", "lag", "value EV"), strict=True
         ):
@@ -96,7 +108,7 @@ def plot(runs: dict[str, dict], path: Path, title: str) -> None:
             if not pts:
                 continue
             xs, ys = benchlib.smooth(pts, 10)
-            ax.plot(xs, ys, color=colours.get(algo), label=NAMES[algo])
+            ax.plot(xs, ys, style, color=colours.get(algo), label=name_)
             ax.set(xlabel="policy update", ylabel=f"{name} (10-step mean)")
     axes[2].set_yscale("log")
     for ax in axes:
@@ -115,16 +127,17 @@ def _f(x: float, fmt: str = "{:.3f}") -> str:
 
 
 def table(runs: dict[str, dict]) -> str:
+    """The per-quarter table and the verdict table; `runs` maps a row label to `figures()`."""
     lines = [
         "| run | steps | quarter | reward | entropy | mean abs(1 - r) | dropped / clipped | "
         "version lag | critic EV |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for algo, f in runs.items():
+    for name, f in runs.items():
         q = f["quarters"]
         for i in range(4):
             lines.append(
-                f"| {NAMES[algo] if i == 0 else ''} | {f['steps'] if i == 0 else ''} | Q{i + 1} | "
+                f"| {name if i == 0 else ''} | {f['steps'] if i == 0 else ''} | Q{i + 1} | "
                 f"{_f(q['reward'][i])} | {_f(q['entropy'][i])} | "
                 f"{_f(q['abs(1-r)'][i], '{:.2e}')} | {_f(q['dropped'][i], '{:.4f}')} | "
                 f"{_f(q['lag'][i], '{:.2f}')} | {_f(q['value EV'][i], '{:.2f}')} |"
@@ -134,9 +147,9 @@ def table(runs: dict[str, dict]) -> str:
         "| run | collapsed (rule above) | max version lag | held-out success before -> after |",
         "|---|---|---:|---|",
     ]
-    for algo, f in runs.items():
+    for name, f in runs.items():
         lines.append(
-            f"| {NAMES[algo]} | {'yes' if f['collapsed'] else 'no'} | {f['lag_max']:.0f} | "
+            f"| {name} | {'yes' if f['collapsed'] else 'no'} | {f['lag_max']:.0f} | "
             f"{_f(f['success_before'])} -> {_f(f['success_after'])} |"
         )
     return "\n".join(lines)
@@ -146,7 +159,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="examples/configs/quickstart.yaml")
     ap.add_argument("--steps", type=int, default=150, help="policy updates per run")
-    ap.add_argument("--max-staleness", type=int, default=4)
+    ap.add_argument(
+        "--max-staleness", type=int, nargs="+", default=[4], help="one run pair per bound"
+    )
     ap.add_argument("--algorithms", nargs="+", default=["sao", "grpo"], choices=sorted(NAMES))
     ap.add_argument("--group-size", type=int, default=8, help="GRPO G")
     ap.add_argument("--num-eval-tasks", type=int, default=64)
@@ -163,29 +178,31 @@ def main(argv=None) -> int:
     start_info = benchlib.machine_info()
     sft = shared_sft(args.config, args.override, out / "sft")
     runs = {}
-    for algo in args.algorithms:
-        run_dir = out / algo
-        seed_from_sft(sft, run_dir)
-        ov = [
-            *args.override,
-            f"rl.steps={args.steps}",
-            f"rollout.max_staleness={args.max_staleness}",
-            "rollout.deviation_target=null",
-            f"tasks.num_eval_tasks={args.num_eval_tasks}",
-            "checkpoint.save_interval=0",
-            "logging.console=false",
-        ]
-        run_job(
-            args.config,
-            ov + algo_overrides(algo, args.group_size, base.value_pretrain.steps > 0, base),
-            run_dir,
-        )
-        runs[algo] = figures(run_dir)
+    for k in args.max_staleness:
+        for algo in args.algorithms:
+            run_dir = out / f"staleness{k}" / algo
+            seed_from_sft(sft, run_dir)
+            ov = [
+                *args.override,
+                f"rl.steps={args.steps}",
+                f"rollout.max_staleness={k}",
+                "rollout.deviation_target=null",
+                f"tasks.num_eval_tasks={args.num_eval_tasks}",
+                "checkpoint.save_interval=0",
+                "logging.console=false",
+            ]
+            run_job(
+                args.config,
+                ov + algo_overrides(algo, args.group_size, base.value_pretrain.steps > 0, base),
+                run_dir,
+            )
+            runs[label(algo, k)] = {**figures(run_dir), "algo": algo, "staleness": k}
     info = benchlib.measured_machine_info(out, start_info, "stability")
     body_table = table(runs)
     print(body_table)
     title = (
-        f"{args.config}, max_staleness {args.max_staleness}, {args.steps} updates "
+        f"{args.config}, max_staleness {' / '.join(map(str, args.max_staleness))}, "
+        f"{args.steps} updates "
         f"(GRPO G={args.group_size})"
     )
     img = REPO / "docs" / "img" / "bench_stability.png"
@@ -195,13 +212,15 @@ def main(argv=None) -> int:
         img.write_bytes((out / "stability.png").read_bytes())
         cmd = (
             f"python tools/bench_stability.py --config {args.config} --steps {args.steps} "
-            f"--max-staleness {args.max_staleness} --algorithms {' '.join(args.algorithms)} "
+            f"--max-staleness {' '.join(map(str, args.max_staleness))} "
+            f"--algorithms {' '.join(args.algorithms)} "
             f"--out {args.out} --write {' '.join(args.override)}"
         ).rstrip()
         body = (
             f"Command:\n\n    {cmd}\n\n{benchlib.machine_line(info)}\n\n"
-            f"Config `{args.config}`, one run per algorithm from the same SFT start, "
-            f"`rollout.max_staleness={args.max_staleness}` (fixed bound, deviation controller "
+            f"Config `{args.config}`, one run per algorithm and staleness bound from the same "
+            f"SFT start, `rollout.max_staleness` = "
+            f"{' and '.join(map(str, args.max_staleness))} (fixed bound, deviation controller "
             f"off), {args.steps} policy updates; figures are means over each quarter of the "
             "run. 'Dropped / clipped': SAO's DIS-band drops, GRPO's share outside the band "
             "(the same metric). Collapse rule: last-quarter reward below half the best "

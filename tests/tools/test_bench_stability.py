@@ -60,5 +60,7 @@ def test_figures_read_a_run_directory(tmp_path):
     assert f["curves"]["value EV"] == [(3, 0.4)]
     ev = f["quarters"]["value EV"]
     assert ev[2] == 0.4 and math.isnan(ev[0]) and math.isnan(ev[3])
-    row = bench.table({"sao": f}).splitlines()[4]  # Q3
-    assert row.endswith("| 0.40 |") and "| Q3 | 0.600 |" in row
+    rows = bench.table({bench.label("sao", 4): f}).splitlines()
+    assert rows[2].startswith("| SAO, staleness 4 | 4 | Q1 | 0.100 |")
+    assert rows[4].endswith("| 0.40 |") and "| Q3 | 0.600 |" in rows[4]  # critic EV in Q3
+    assert "| SAO, staleness 4 | yes | 3 | 0.250 -> 0.000 |" in rows
