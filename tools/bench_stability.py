@@ -98,9 +98,9 @@ def plot(runs: dict[str, dict], path: Path, title: str) -> None:
     fig, axes = plt.subplots(1, 5, figsize=(25, 4))
     colours = {"sao": "tab:blue", "grpo": "tab:orange", "grpo_dis": "tab:green"}
     styles = ["-", "--", ":", "-."]
-    bounds = sorted({f.get("staleness", 0) for f in runs.values()})
-    for name_, f in runs.items():
-        algo, style = f.get("algo", name_), styles[bounds.index(f.get("staleness", 0)) % 4]
+    bounds = sorted({f["staleness"] for f in runs.values()})
+    for run_label, f in runs.items():
+        style = styles[bounds.index(f["staleness"]) % len(styles)]
         for ax, name in zip(
             axes, ("reward", "entropy", "abs(1-r)", "lag", "value EV"), strict=True
         ):
@@ -108,7 +108,7 @@ def plot(runs: dict[str, dict], path: Path, title: str) -> None:
             if not pts:
                 continue
             xs, ys = benchlib.smooth(pts, 10)
-            ax.plot(xs, ys, style, color=colours.get(algo), label=name_)
+            ax.plot(xs, ys, style, color=colours.get(f["algo"]), label=run_label)
             ax.set(xlabel="policy update", ylabel=f"{name} (10-step mean)")
     axes[2].set_yscale("log")
     for ax in axes:
@@ -198,10 +198,11 @@ def main(argv=None) -> int:
             )
             runs[label(algo, k)] = {**figures(run_dir), "algo": algo, "staleness": k}
     info = benchlib.measured_machine_info(out, start_info, "stability")
+    bounds = [str(k) for k in args.max_staleness]
     body_table = table(runs)
     print(body_table)
     title = (
-        f"{args.config}, max_staleness {' / '.join(map(str, args.max_staleness))}, "
+        f"{args.config}, max_staleness {' / '.join(bounds)}, "
         f"{args.steps} updates "
         f"(GRPO G={args.group_size})"
     )
@@ -212,7 +213,7 @@ def main(argv=None) -> int:
         img.write_bytes((out / "stability.png").read_bytes())
         cmd = (
             f"python tools/bench_stability.py --config {args.config} --steps {args.steps} "
-            f"--max-staleness {' '.join(map(str, args.max_staleness))} "
+            f"--max-staleness {' '.join(bounds)} "
             f"--algorithms {' '.join(args.algorithms)} "
             f"--out {args.out} --write {' '.join(args.override)}"
         ).rstrip()
@@ -220,7 +221,7 @@ def main(argv=None) -> int:
             f"Command:\n\n    {cmd}\n\n{benchlib.machine_line(info)}\n\n"
             f"Config `{args.config}`, one run per algorithm and staleness bound from the same "
             f"SFT start, `rollout.max_staleness` = "
-            f"{' and '.join(map(str, args.max_staleness))} (fixed bound, deviation controller "
+            f"{' and '.join(bounds)} (fixed bound, deviation controller "
             f"off), {args.steps} policy updates; figures are means over each quarter of the "
             "run. 'Dropped / clipped': SAO's DIS-band drops, GRPO's share outside the band "
             "(the same metric). Collapse rule: last-quarter reward below half the best "
