@@ -13,8 +13,14 @@ moved by more than 50% from the first quarter (either direction: collapse to a d
 or to a uniform policy).
 
     python tools/bench_stability.py --steps 200 --max-staleness 2 4 --write
+    python tools/bench_stability.py --steps 200 --max-staleness 2 --seeds 3 --write
 
-Each (staleness bound, algorithm) pair is one run, under --out/staleness<k>/<algo>.
+Each (staleness bound, algorithm, seed) is one run, under --out/staleness<k>/<algo> (seed 0)
+or --out/staleness<k>/<algo>_seed<s>; seed s sets ``seed``, ``tasks.train_seed`` and
+``rollout.seed`` to s (the model/data seed, the task stream and the sampling), and every seed
+starts from the same SFT policy. With more than one seed the section adds a table over seeds
+per (algorithm, bound): collapses counted, last-quarter reward and held-out success after RL as
+mean ± standard error.
 
 Runs are reused from --out (delete a folder to rerun it). `--write` rewrites the section
 "Long-run stability under staleness" of docs/BENCHMARKS.md.
@@ -82,9 +88,20 @@ def figures(run_dir: Path) -> dict:
     }
 
 
-def label(algo: str, staleness: int) -> str:
-    """A run's row label: 'SAO, staleness 4'."""
-    return f"{NAMES[algo]}, staleness {staleness}"
+def label(algo: str, staleness: int, seed: int = 0, seeded: bool = False) -> str:
+    """A run's row label: 'SAO, staleness 4' (one seed) or 'SAO, staleness 4, seed 1'."""
+    return f"{NAMES[algo]}, staleness {staleness}" + (f", seed {seed}" if seeded else "")
+
+
+def run_folder(out: Path, algo: str, staleness: int, seed: int) -> Path:
+    """Where one run lives: out/staleness<k>/<algo> for seed 0 (the layout of single-seed
+    studies, so their runs are reused), out/staleness<k>/<algo>_seed<s> otherwise."""
+    return out / f"staleness{staleness}" / (algo if seed == 0 else f"{algo}_seed{seed}")
+
+
+def seed_overrides(seed: int) -> list[str]:
+    """The job fields one seed sets: model/data seed, training task stream, sampling seed."""
+    return [f"seed={seed}", f"tasks.train_seed={seed}", f"rollout.seed={seed}"]
 
 
 def plot(runs: dict[str, dict], path: Path, title: str) -> None:
@@ -99,8 +116,12 @@ def plot(runs: dict[str, dict], path: Path, title: str) -> None:
     colours = {"sao": "tab:blue", "grpo": "tab:orange", "grpo_dis": "tab:green"}
     styles = ["-", "--", ":", "-."]
     bounds = sorted({f["staleness"] for f in runs.values()})
-    for run_label, f in runs.items():
+    labelled = set()  # one legend entry per (algorithm, bound); seeds share colour and style
+    for f in runs.values():
         style = styles[bounds.index(f["staleness"]) % len(styles)]
+        run_label = label(f["algo"], f["staleness"])
+        legend = run_label if run_label not in labelled else None
+        labelled.add(run_label)
         for ax, name in zip(
             axes, ("reward", "entropy", "abs(1-r)", "lag", "value EV"), strict=True
         ):
@@ -108,7 +129,7 @@ def plot(runs: dict[str, dict], path: Path, title: str) -> None:
             if not pts:
                 continue
             xs, ys = benchlib.smooth(pts, 10)
-            ax.plot(xs, ys, style, color=colours.get(f["algo"]), label=run_label)
+            ax.plot(xs, ys, style, color=colours.get(f["algo"]), alpha=0.8, label=legend)
             ax.set(xlabel="policy update", ylabel=f"{name} (10-step mean)")
     axes[2].set_yscale("log")
     for ax in axes:
@@ -155,6 +176,34 @@ def table(runs: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def seeds_table(runs: dict[str, dict]) -> str:
+    """Per (algorithm, bound) over its seeds: runs flagged collapsed, last-quarter batch reward,
+    its best quarter, and held-out success after RL, each mean ± standard error over seeds."""
+    cells: dict[tuple[str, int], list[dict]] = {}
+    for f in runs.values():
+        cells.setdefault((f["algo"], f["staleness"]), []).append(f)
+    lines = [
+        "| algorithm, bound | seeds | collapsed (rule above) | last-quarter reward | "
+        "best-quarter reward | held-out success after RL (before: "
+        + "/".join(sorted({_f(f["success_before"]) for f in runs.values()}))
+        + ") |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+
+    def ms(xs: list[float]) -> str:
+        m, se, n = benchlib.mean_se(xs)
+        return "-" if n == 0 else f"{m:.3f}" + (f" ± {se:.3f}" if n > 1 else "")
+
+    for (algo, k), fs in cells.items():
+        lines.append(
+            f"| {label(algo, k)} | {len(fs)} | {sum(f['collapsed'] for f in fs)} / {len(fs)} | "
+            f"{ms([f['quarters']['reward'][-1] for f in fs])} | "
+            f"{ms([max(f['quarters']['reward']) for f in fs])} | "
+            f"{ms([f['success_after'] for f in fs])} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="examples/configs/quickstart.yaml")
@@ -163,12 +212,18 @@ def main(argv=None) -> int:
         "--max-staleness", type=int, nargs="+", default=[4], help="one run pair per bound"
     )
     ap.add_argument("--algorithms", nargs="+", default=["sao", "grpo"], choices=sorted(NAMES))
+    ap.add_argument("--seeds", type=int, default=1, help="runs per (algorithm, bound)")
+    ap.add_argument("--first-seed", type=int, default=0, help="seeds first_seed .. +seeds-1")
     ap.add_argument("--group-size", type=int, default=8, help="GRPO G")
     ap.add_argument("--num-eval-tasks", type=int, default=64)
     ap.add_argument("--out", default="runs/bench_stability")
     ap.add_argument("--write", action="store_true", help="update docs/BENCHMARKS.md")
     ap.add_argument("override", nargs="*", help="extra section.field=value for every job")
     args = ap.parse_args(argv)
+    if args.seeds < 1 or args.first_seed < 0:
+        ap.error("--seeds must be >= 1 and --first-seed >= 0")
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    seeded = seeds != [0]
 
     from sao_megatron.configs import load_config
     from sao_megatron.trainer.job import JobConfig
@@ -179,31 +234,39 @@ def main(argv=None) -> int:
     sft = shared_sft(args.config, args.override, out / "sft")
     runs = {}
     for k in args.max_staleness:
-        for algo in args.algorithms:
-            run_dir = out / f"staleness{k}" / algo
-            seed_from_sft(sft, run_dir)
-            ov = [
-                *args.override,
-                f"rl.steps={args.steps}",
-                f"rollout.max_staleness={k}",
-                "rollout.deviation_target=null",
-                f"tasks.num_eval_tasks={args.num_eval_tasks}",
-                "checkpoint.save_interval=0",
-                "logging.console=false",
-            ]
-            run_job(
-                args.config,
-                ov + algo_overrides(algo, args.group_size, base.value_pretrain.steps > 0, base),
-                run_dir,
-            )
-            runs[label(algo, k)] = {**figures(run_dir), "algo": algo, "staleness": k}
+        for seed in seeds:
+            for algo in args.algorithms:
+                run_dir = run_folder(out, algo, k, seed)
+                seed_from_sft(sft, run_dir)
+                ov = [
+                    *args.override,
+                    *seed_overrides(seed),
+                    f"rl.steps={args.steps}",
+                    f"rollout.max_staleness={k}",
+                    "rollout.deviation_target=null",
+                    f"tasks.num_eval_tasks={args.num_eval_tasks}",
+                    "checkpoint.save_interval=0",
+                    "logging.console=false",
+                ]
+                has_vp = base.value_pretrain.steps > 0
+                run_job(
+                    args.config, ov + algo_overrides(algo, args.group_size, has_vp, base), run_dir
+                )
+                runs[label(algo, k, seed, seeded)] = {
+                    **figures(run_dir),
+                    "algo": algo,
+                    "staleness": k,
+                    "seed": seed,
+                }
     info = benchlib.measured_machine_info(out, start_info, "stability")
     bounds = [str(k) for k in args.max_staleness]
     body_table = table(runs)
+    if len(seeds) > 1:
+        body_table += "\n\nOver seeds (mean ± standard error):\n\n" + seeds_table(runs)
     print(body_table)
     title = (
         f"{args.config}, max_staleness {' / '.join(bounds)}, "
-        f"{args.steps} updates "
+        f"{args.steps} updates, seeds {seeds[0]}-{seeds[-1]} "
         f"(GRPO G={args.group_size})"
     )
     img = REPO / "docs" / "img" / "bench_stability.png"
@@ -215,12 +278,15 @@ def main(argv=None) -> int:
             f"python tools/bench_stability.py --config {args.config} --steps {args.steps} "
             f"--max-staleness {' '.join(bounds)} "
             f"--algorithms {' '.join(args.algorithms)} "
-            f"--out {args.out} --write {' '.join(args.override)}"
+            + (f"--seeds {args.seeds} " if args.seeds != 1 else "")
+            + (f"--first-seed {args.first_seed} " if args.first_seed else "")
+            + f"--out {args.out} --write {' '.join(args.override)}"
         ).rstrip()
         body = (
             f"Command:\n\n    {cmd}\n\n{benchlib.machine_line(info)}\n\n"
-            f"Config `{args.config}`, one run per algorithm and staleness bound from the same "
-            f"SFT start, `rollout.max_staleness` = "
+            f"Config `{args.config}`, one run per algorithm, staleness bound and seed "
+            f"(seeds {', '.join(map(str, seeds))}) from the same SFT start, "
+            "`rollout.max_staleness` = "
             f"{' and '.join(bounds)} (fixed bound, deviation controller "
             f"off), {args.steps} policy updates; figures are means over each quarter of the "
             "run. 'Dropped / clipped': SAO's DIS-band drops, GRPO's share outside the band "

@@ -64,3 +64,43 @@ def test_figures_read_a_run_directory(tmp_path):
     assert rows[2].startswith("| SAO, staleness 4 | 4 | Q1 | 0.100 |")
     assert rows[4].endswith("| 0.40 |") and "| Q3 | 0.600 |" in rows[4]  # critic EV in Q3
     assert "| SAO, staleness 4 | yes | 3 | 0.250 -> 0.000 |" in rows
+
+
+def _fig(algo, k, seed, reward_q, after, collapsed):
+    return {
+        "algo": algo,
+        "staleness": k,
+        "seed": seed,
+        "quarters": {"reward": reward_q},
+        "collapsed": collapsed,
+        "success_before": 0.172,
+        "success_after": after,
+    }
+
+
+def test_seeds_have_their_own_folders_seeds_and_a_table_over_seeds(tmp_path):
+    assert bench.run_folder(tmp_path, "sao", 2, 0) == tmp_path / "staleness2" / "sao"
+    assert bench.run_folder(tmp_path, "grpo", 4, 2) == tmp_path / "staleness4" / "grpo_seed2"
+    assert bench.seed_overrides(3) == ["seed=3", "tasks.train_seed=3", "rollout.seed=3"]
+    assert bench.label("grpo", 2, 1, seeded=True) == "GRPO, staleness 2, seed 1"
+    runs = {
+        "a": _fig("sao", 2, 0, [0.4, 0.7, 0.7, 0.8], 0.75, False),
+        "b": _fig("sao", 2, 1, [0.2, 0.5, 0.3, 0.2], 0.25, True),
+        "c": _fig("grpo", 2, 0, [0.1, 0.3, 0.2, 0.1], 0.10, True),
+    }
+    rows = bench.seeds_table(runs).splitlines()
+    assert "(before: 0.172)" in rows[0]
+    # SAO: last quarter (0.8, 0.2) -> 0.5 ± 0.3; best (0.8, 0.5) -> 0.65 ± 0.15; after 0.5 ± 0.25
+    assert (
+        rows[2]
+        == "| SAO, staleness 2 | 2 | 1 / 2 | 0.500 ± 0.300 | 0.650 ± 0.150 | 0.500 ± 0.250 |"
+    )
+    assert rows[3] == "| GRPO, staleness 2 | 1 | 1 / 1 | 0.100 | 0.300 | 0.100 |"  # n = 1: no s.e.
+
+
+def test_bad_seed_arguments_are_refused(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        bench.main(["--seeds", "0"])
+    assert "--seeds must be >= 1" in capsys.readouterr().err
