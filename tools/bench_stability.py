@@ -23,7 +23,8 @@ per (algorithm, bound): collapses counted, last-quarter reward and held-out succ
 mean ± standard error.
 
 Runs are reused from --out (delete a folder to rerun it). `--write` rewrites the section
-"Long-run stability under staleness" of docs/BENCHMARKS.md.
+"Long-run stability under staleness" of docs/BENCHMARKS.md (another with --section, e.g. for
+more seeds of a study whose first runs are no longer on this machine).
 """
 
 from __future__ import annotations
@@ -204,6 +205,20 @@ def seeds_table(runs: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def command_line(args: argparse.Namespace) -> str:
+    """The command that regenerates a section, as the section shows it (non-default flags)."""
+    return (
+        f"python tools/bench_stability.py --config {args.config} --steps {args.steps} "
+        f"--max-staleness {' '.join(str(k) for k in args.max_staleness)} "
+        f"--algorithms {' '.join(args.algorithms)} "
+        + (f"--seeds {args.seeds} " if args.seeds != 1 else "")
+        + (f"--first-seed {args.first_seed} " if args.first_seed else "")
+        + f"--out {args.out} --write "
+        + (f'--section "{args.section}" ' if args.section != SECTION else "")
+        + " ".join(args.override)
+    ).rstrip()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="examples/configs/quickstart.yaml")
@@ -218,6 +233,7 @@ def main(argv=None) -> int:
     ap.add_argument("--num-eval-tasks", type=int, default=64)
     ap.add_argument("--out", default="runs/bench_stability")
     ap.add_argument("--write", action="store_true", help="update docs/BENCHMARKS.md")
+    ap.add_argument("--section", default=SECTION, help="docs/BENCHMARKS.md section to write")
     ap.add_argument("override", nargs="*", help="extra section.field=value for every job")
     args = ap.parse_args(argv)
     if args.seeds < 1 or args.first_seed < 0:
@@ -269,19 +285,17 @@ def main(argv=None) -> int:
         f"{args.steps} updates, seeds {seeds[0]}-{seeds[-1]} "
         f"(GRPO G={args.group_size})"
     )
-    img = REPO / "docs" / "img" / "bench_stability.png"
+    img_name = (
+        "bench_stability.png"
+        if args.section == SECTION
+        else f"bench_{benchlib.section_slug(args.section)}.png"
+    )
+    img = REPO / "docs" / "img" / img_name
     plot(runs, out / "stability.png", title)
     (out / "figures.json").write_text(json.dumps(runs, indent=1))
     if args.write:
         img.write_bytes((out / "stability.png").read_bytes())
-        cmd = (
-            f"python tools/bench_stability.py --config {args.config} --steps {args.steps} "
-            f"--max-staleness {' '.join(bounds)} "
-            f"--algorithms {' '.join(args.algorithms)} "
-            + (f"--seeds {args.seeds} " if args.seeds != 1 else "")
-            + (f"--first-seed {args.first_seed} " if args.first_seed else "")
-            + f"--out {args.out} --write {' '.join(args.override)}"
-        ).rstrip()
+        cmd = command_line(args)
         body = (
             f"Command:\n\n    {cmd}\n\n{benchlib.machine_line(info)}\n\n"
             f"Config `{args.config}`, one run per algorithm, staleness bound and seed "
@@ -294,7 +308,7 @@ def main(argv=None) -> int:
             "quarter's and entropy moved > 50% from the first quarter.\n\n"
             f"{body_table}\n\n![stability](img/{img.name})\n\n{benchlib.READING}\n"
         )
-        benchlib.write_section(SECTION, body)
+        benchlib.write_section(args.section, body)
     return 0
 
 

@@ -104,3 +104,29 @@ def test_bad_seed_arguments_are_refused(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--seeds", "0"])
     assert "--seeds must be >= 1" in capsys.readouterr().err
+
+
+def test_the_section_shows_the_command_that_regenerates_it():
+    import argparse
+
+    args = argparse.Namespace(
+        config="examples/configs/quickstart.yaml",
+        steps=200,
+        max_staleness=[2],
+        algorithms=["sao", "grpo"],
+        seeds=2,
+        first_seed=1,
+        out="runs/bench_stability",
+        section="Stability (seeds)",
+        override=["rl.lr=1e-5"],
+    )
+    assert bench.command_line(args) == (
+        "python tools/bench_stability.py --config examples/configs/quickstart.yaml --steps 200 "
+        "--max-staleness 2 --algorithms sao grpo --seeds 2 --first-seed 1 "
+        '--out runs/bench_stability --write --section "Stability (seeds)" rl.lr=1e-5'
+    )
+    args.seeds, args.first_seed, args.section, args.override = 1, 0, bench.SECTION, []
+    assert bench.command_line(args) == (
+        "python tools/bench_stability.py --config examples/configs/quickstart.yaml --steps 200 "
+        "--max-staleness 2 --algorithms sao grpo --out runs/bench_stability --write"
+    )
