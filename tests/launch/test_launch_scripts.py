@@ -90,6 +90,8 @@ def test_local_script_without_run_dir_keeps_the_configs():
             "--gpus-per-node=4",
         ),
         ({"NPROC_PER_NODE": "2", "CPUS_PER_TASK": "3"}, 2, 3, None),
+        # a submitting shell's OMP_NUM_THREADS=1 sets the ranks' threads, not the CPUs they get
+        ({"OMP_NUM_THREADS": "1"}, 1, None, None),
     ],
 )
 def test_slurm_script_sizes_from_the_environment(env, ranks, cpus, gpu_flag):
