@@ -8,9 +8,11 @@ trains, so trained tokens are up to that many versions old) and the deviation co
 (a fixed bound, as in the paper's runs). Per run the script reads run_dir/rl/metrics.jsonl and
 reports, per quarter of the run: batch reward, policy entropy, mean |1 - r|, DIS-dropped or
 PPO-clipped share, version lag and the critic's explained variance (SAO); it flags a collapse
-when the reward of the last quarter falls below half the best quarter's and the entropy has
-moved by more than 50% from the first quarter (either direction: collapse to a deterministic
-or to a uniform policy).
+when the mean reward of the last quarter falls below half the best mean of any 10 consecutive
+updates and the last quarter's mean entropy has moved by more than 50% from that of the first
+10 updates (either direction: collapse to a deterministic or to a uniform policy). Windows of
+10 updates rather than quarters, so that a run which loses all reward within its first quarter
+(GRPO, bound 2, seed 1: reward 0 from update 11 on, entropy up 70%) is flagged too.
 
     python tools/bench_stability.py --steps 200 --max-staleness 2 4 --write
     python tools/bench_stability.py --steps 200 --max-staleness 2 --seeds 3 --write
@@ -60,25 +62,45 @@ def quarters(recs: list[dict], key: str) -> list[float]:
     return out
 
 
-def collapsed(reward_q: list[float], entropy_q: list[float]) -> bool:
-    """The collapse rule of the module docstring (False when a quarter is missing)."""
-    if any(x != x for x in reward_q + entropy_q) or not reward_q:
+WINDOW = 10  # updates
+
+
+def collapsed(rewards: list[float], entropies: list[float], window: int = WINDOW) -> bool:
+    """The collapse rule of the module docstring, on per-update batch rewards and entropies
+    (equal lengths, NaN-free). The window shrinks to a quarter of the run for runs shorter than
+    4 windows; False for runs of fewer than 4 updates."""
+    n = len(rewards)
+    if n < 4 or len(entropies) != n:
         return False
-    best = max(reward_q)
-    fell = best > 0 and reward_q[-1] < 0.5 * best
-    moved = entropy_q[0] > 0 and abs(entropy_q[-1] - entropy_q[0]) > 0.5 * entropy_q[0]
+    w = max(1, min(window, n // 4))
+    last = slice(3 * n // 4, n)
+    best = max(sum(rewards[i : i + w]) / w for i in range(n - w + 1))
+    fell = best > 0 and _mean(rewards[last]) < 0.5 * best
+    first_h, last_h = _mean(entropies[:w]), _mean(entropies[last])
+    moved = first_h > 0 and abs(last_h - first_h) > 0.5 * first_h
     return fell and moved
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def _finite(x) -> bool:
+    return x is not None and x == x
 
 
 def figures(run_dir: Path) -> dict:
     recs = [r for r in read_metrics(run_dir / "rl") if "time/rl_elapsed_s" in r]
     summary = json.loads((run_dir / "summary.json").read_text())
     q = {name: quarters(recs, key) for name, key in SERIES.items()}
+    both = [r for r in recs if _finite(r.get("reward/mean")) and _finite(r.get("policy/entropy"))]
     return {
         "steps": len(recs),
         "wall_s": recs[-1]["time/rl_elapsed_s"] if recs else float("nan"),
         "quarters": q,
-        "collapsed": collapsed(q["reward"], q["entropy"]),
+        "collapsed": collapsed(
+            [r["reward/mean"] for r in both], [r["policy/entropy"] for r in both]
+        ),
         "lag_max": max((r.get("deviation/version_lag_max") or 0.0) for r in recs),
         "success_before": summary.get("before/eval/success_rate", float("nan")),
         "success_after": summary.get("after/eval/success_rate", float("nan")),
@@ -282,8 +304,9 @@ def main(argv=None) -> int:
     print(body_table)
     title = (
         f"{args.config}, max_staleness {' / '.join(bounds)}, "
-        f"{args.steps} updates, seeds {seeds[0]}-{seeds[-1]} "
-        f"(GRPO G={args.group_size})"
+        f"{args.steps} updates, "
+        + (f"seeds {seeds[0]}-{seeds[-1]} " if len(seeds) > 1 else f"seed {seeds[0]} ")
+        + f"(GRPO G={args.group_size})"
     )
     img_name = (
         "bench_stability.png"
@@ -304,8 +327,9 @@ def main(argv=None) -> int:
             f"{' and '.join(bounds)} (fixed bound, deviation controller "
             f"off), {args.steps} policy updates; figures are means over each quarter of the "
             "run. 'Dropped / clipped': SAO's DIS-band drops, GRPO's share outside the band "
-            "(the same metric). Collapse rule: last-quarter reward below half the best "
-            "quarter's and entropy moved > 50% from the first quarter.\n\n"
+            "(the same metric). Collapse rule: last-quarter reward below half the best mean "
+            f"of {WINDOW} consecutive updates, and last-quarter entropy moved > 50% from that of "
+            f"the first {WINDOW} updates.\n\n"
             f"{body_table}\n\n![stability](img/{img.name})\n\n{benchlib.READING}\n"
         )
         benchlib.write_section(args.section, body)

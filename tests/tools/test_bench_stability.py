@@ -35,12 +35,26 @@ def test_quarters_are_means_of_each_quarter_and_nan_when_absent():
 
 
 def test_collapse_needs_both_the_reward_fall_and_the_entropy_move():
-    assert bench.collapsed([0.2, 0.6, 0.4, 0.2], [1.0, 0.9, 0.5, 0.3])  # fell, entropy -70%
-    assert bench.collapsed([0.2, 0.6, 0.4, 0.2], [1.0, 1.2, 1.8, 2.0])  # entropy blew up
-    assert not bench.collapsed([0.2, 0.6, 0.4, 0.31], [1.0, 0.9, 0.5, 0.3])  # reward held
-    assert not bench.collapsed([0.2, 0.6, 0.4, 0.2], [1.0, 0.9, 0.8, 0.7])  # entropy -30%
-    assert not bench.collapsed([0.0, 0.0, 0.0, 0.0], [1.0, 0.1, 0.1, 0.1])  # never learnt
-    assert not bench.collapsed([0.2, float("nan"), 0.4, 0.2], [1.0, 0.9, 0.5, 0.3])
+    # 40 updates: window 10, last quarter = updates 31-40
+    peak = [0.2] * 10 + [0.6] * 10 + [0.4] * 10 + [0.2] * 10
+    assert bench.collapsed(peak, [1.0] * 10 + [0.9] * 10 + [0.5] * 10 + [0.3] * 10)  # -70%
+    assert bench.collapsed(peak, [1.0] * 10 + [1.2] * 10 + [1.8] * 10 + [2.0] * 10)  # blew up
+    held = peak[:30] + [0.31] * 10
+    assert not bench.collapsed(held, [1.0] * 10 + [0.5] * 30)  # reward held (0.31 > 0.3)
+    assert not bench.collapsed(peak, [1.0] * 10 + [0.8] * 30)  # entropy -20%
+    assert not bench.collapsed([0.0] * 40, [1.0] + [0.1] * 39)  # never learnt
+    assert not bench.collapsed(peak[:3], [1.0, 0.5, 0.1])  # too short to say
+
+
+def test_collapse_within_the_first_quarter_is_flagged():
+    """GRPO, bound 2, seed 1: some reward for 10 updates, none after; entropy up within Q1.
+    Measured per quarter, Q1's entropy already holds most of the rise (+20% to Q4), so a
+    quarter rule would miss the collapse; from the first 10 updates it is +83%."""
+    rewards = [0.19, 0.0, 0.25, 0.31, 0.12, 0.12, 0.25, 0.19, 0.0, 0.06] + [0.0] * 190
+    entropies = [0.18] * 10 + [0.30] * 40 + [0.33] * 150
+    assert bench.collapsed(rewards, entropies)
+    h = bench.quarters(_recs(rewards, entropies), "policy/entropy")
+    assert abs(h[-1] - h[0]) < 0.5 * h[0]  # what the quarters alone would have said
 
 
 def test_figures_read_a_run_directory(tmp_path):
