@@ -35,6 +35,7 @@ import argparse
 import json
 import math
 from pathlib import Path
+from statistics import fmean
 
 import benchlib
 from bench_sao_vs_grpo import NAMES, algo_overrides
@@ -75,14 +76,10 @@ def collapsed(rewards: list[float], entropies: list[float], window: int = WINDOW
     w = max(1, min(window, n // 4))
     last = slice(3 * n // 4, n)
     best = max(sum(rewards[i : i + w]) / w for i in range(n - w + 1))
-    fell = best > 0 and _mean(rewards[last]) < 0.5 * best
-    first_h, last_h = _mean(entropies[:w]), _mean(entropies[last])
+    fell = best > 0 and fmean(rewards[last]) < 0.5 * best
+    first_h, last_h = fmean(entropies[:w]), fmean(entropies[last])
     moved = first_h > 0 and abs(last_h - first_h) > 0.5 * first_h
     return fell and moved
-
-
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs)
 
 
 def _finite(x) -> bool:
@@ -111,9 +108,9 @@ def figures(run_dir: Path) -> dict:
     }
 
 
-def label(algo: str, staleness: int, seed: int = 0, seeded: bool = False) -> str:
-    """A run's row label: 'SAO, staleness 4' (one seed) or 'SAO, staleness 4, seed 1'."""
-    return f"{NAMES[algo]}, staleness {staleness}" + (f", seed {seed}" if seeded else "")
+def label(algo: str, staleness: int, seed: int | None = None) -> str:
+    """A run's row label: 'SAO, staleness 4' (seed None) or 'SAO, staleness 4, seed 1'."""
+    return f"{NAMES[algo]}, staleness {staleness}" + (f", seed {seed}" if seed is not None else "")
 
 
 def run_folder(out: Path, algo: str, staleness: int, seed: int) -> Path:
@@ -261,7 +258,7 @@ def main(argv=None) -> int:
     if args.seeds < 1 or args.first_seed < 0:
         ap.error("--seeds must be >= 1 and --first-seed >= 0")
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
-    seeded = seeds != [0]
+    seeded = seeds != [0]  # a lone seed 0 keeps the single-seed row labels
 
     from sao_megatron.configs import load_config
     from sao_megatron.trainer.job import JobConfig
@@ -270,6 +267,7 @@ def main(argv=None) -> int:
     out = (REPO / args.out).resolve()
     start_info = benchlib.machine_info()
     sft = shared_sft(args.config, args.override, out / "sft")
+    has_vp = base.value_pretrain.steps > 0
     runs = {}
     for k in args.max_staleness:
         for seed in seeds:
@@ -286,11 +284,10 @@ def main(argv=None) -> int:
                     "checkpoint.save_interval=0",
                     "logging.console=false",
                 ]
-                has_vp = base.value_pretrain.steps > 0
                 run_job(
                     args.config, ov + algo_overrides(algo, args.group_size, has_vp, base), run_dir
                 )
-                runs[label(algo, k, seed, seeded)] = {
+                runs[label(algo, k, seed if seeded else None)] = {
                     **figures(run_dir),
                     "algo": algo,
                     "staleness": k,

@@ -96,7 +96,7 @@ def test_seeds_have_their_own_folders_seeds_and_a_table_over_seeds(tmp_path):
     assert bench.run_folder(tmp_path, "sao", 2, 0) == tmp_path / "staleness2" / "sao"
     assert bench.run_folder(tmp_path, "grpo", 4, 2) == tmp_path / "staleness4" / "grpo_seed2"
     assert bench.seed_overrides(3) == ["seed=3", "tasks.train_seed=3", "rollout.seed=3"]
-    assert bench.label("grpo", 2, 1, seeded=True) == "GRPO, staleness 2, seed 1"
+    assert bench.label("grpo", 2, 1) == "GRPO, staleness 2, seed 1"
     runs = {
         "a": _fig("sao", 2, 0, [0.4, 0.7, 0.7, 0.8], 0.75, False),
         "b": _fig("sao", 2, 1, [0.2, 0.5, 0.3, 0.2], 0.25, True),
