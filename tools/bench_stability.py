@@ -20,7 +20,10 @@ updates and the last quarter's mean entropy has moved by more than 50% from that
 Each (staleness bound, algorithm, seed) is one run, under --out/staleness<k>/<algo> (seed 0)
 or --out/staleness<k>/<algo>_seed<s>; seed s sets ``seed``, ``tasks.train_seed`` and
 ``rollout.seed`` to s (the model/data seed, the task stream and the sampling), and every seed
-starts from the same SFT policy. With more than one seed the section adds a table over seeds
+starts from the same SFT policy. `--trajectories-per-batch B` sets
+``rollout.trajectories_per_batch`` of the RL runs only (GRPO then trains B / G groups per
+update; the SFT start and ``rollout.max_concurrent_episodes`` stay the config's), in folders
+<algo>_b<B>[_seed<s>]. With more than one seed the section adds a table over seeds
 per (algorithm, bound): collapses counted, last-quarter reward and held-out success after RL as
 mean ± standard error.
 
@@ -108,15 +111,23 @@ def figures(run_dir: Path) -> dict:
     }
 
 
-def label(algo: str, staleness: int, seed: int | None = None) -> str:
-    """A run's row label: 'SAO, staleness 4' (seed None) or 'SAO, staleness 4, seed 1'."""
-    return f"{NAMES[algo]}, staleness {staleness}" + (f", seed {seed}" if seed is not None else "")
+def label(algo: str, staleness: int, seed: int | None = None, batch: int | None = None) -> str:
+    """A run's row label: 'SAO, staleness 4' (seed None, the config's batch), 'SAO, staleness 4,
+    seed 1', or with --trajectories-per-batch 'GRPO, 32 per update, staleness 2, seed 1'."""
+    return (
+        NAMES[algo]
+        + (f", {batch} per update" if batch is not None else "")
+        + f", staleness {staleness}"
+        + (f", seed {seed}" if seed is not None else "")
+    )
 
 
-def run_folder(out: Path, algo: str, staleness: int, seed: int) -> Path:
+def run_folder(out: Path, algo: str, staleness: int, seed: int, batch: int | None = None) -> Path:
     """Where one run lives: out/staleness<k>/<algo> for seed 0 (the layout of single-seed
-    studies, so their runs are reused), out/staleness<k>/<algo>_seed<s> otherwise."""
-    return out / f"staleness{staleness}" / (algo if seed == 0 else f"{algo}_seed{seed}")
+    studies, so their runs are reused), out/staleness<k>/<algo>_seed<s> otherwise; with
+    --trajectories-per-batch B the algorithm part is <algo>_b<B>."""
+    name = algo if batch is None else f"{algo}_b{batch}"
+    return out / f"staleness{staleness}" / (name if seed == 0 else f"{name}_seed{seed}")
 
 
 def seed_overrides(seed: int) -> list[str]:
@@ -139,7 +150,7 @@ def plot(runs: dict[str, dict], path: Path, title: str) -> None:
     labelled = set()  # one legend entry per (algorithm, bound); seeds share colour and style
     for f in runs.values():
         style = styles[bounds.index(f["staleness"]) % len(styles)]
-        run_label = label(f["algo"], f["staleness"])
+        run_label = label(f["algo"], f["staleness"], batch=f.get("batch"))
         legend = run_label if run_label not in labelled else None
         labelled.add(run_label)
         for ax, name in zip(
@@ -199,9 +210,9 @@ def table(runs: dict[str, dict]) -> str:
 def seeds_table(runs: dict[str, dict]) -> str:
     """Per (algorithm, bound) over its seeds: runs flagged collapsed, last-quarter batch reward,
     its best quarter, and held-out success after RL, each mean ± standard error over seeds."""
-    cells: dict[tuple[str, int], list[dict]] = {}
+    cells: dict[tuple[str, int, int | None], list[dict]] = {}
     for f in runs.values():
-        cells.setdefault((f["algo"], f["staleness"]), []).append(f)
+        cells.setdefault((f["algo"], f["staleness"], f.get("batch")), []).append(f)
     lines = [
         "| algorithm, bound | seeds | collapsed (rule above) | last-quarter reward | "
         "best-quarter reward | held-out success after RL (before: "
@@ -214,9 +225,10 @@ def seeds_table(runs: dict[str, dict]) -> str:
         m, se, n = benchlib.mean_se(xs)
         return "-" if n == 0 else f"{m:.3f}" + (f" ± {se:.3f}" if n > 1 else "")
 
-    for (algo, k), fs in cells.items():
+    for (algo, k, batch), fs in cells.items():
         lines.append(
-            f"| {label(algo, k)} | {len(fs)} | {sum(f['collapsed'] for f in fs)} / {len(fs)} | "
+            f"| {label(algo, k, batch=batch)} | {len(fs)} | "
+            f"{sum(f['collapsed'] for f in fs)} / {len(fs)} | "
             f"{ms([f['quarters']['reward'][-1] for f in fs])} | "
             f"{ms([max(f['quarters']['reward']) for f in fs])} | "
             f"{ms([f['success_after'] for f in fs])} |"
@@ -232,6 +244,11 @@ def command_line(args: argparse.Namespace) -> str:
         f"--algorithms {' '.join(args.algorithms)} "
         + (f"--seeds {args.seeds} " if args.seeds != 1 else "")
         + (f"--first-seed {args.first_seed} " if args.first_seed else "")
+        + (
+            f"--trajectories-per-batch {args.trajectories_per_batch} "
+            if args.trajectories_per_batch
+            else ""
+        )
         + f"--out {args.out} --write "
         + (f'--section "{args.section}" ' if args.section != SECTION else "")
         + " ".join(args.override)
@@ -249,6 +266,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=1, help="runs per (algorithm, bound)")
     ap.add_argument("--first-seed", type=int, default=0, help="seeds first_seed .. +seeds-1")
     ap.add_argument("--group-size", type=int, default=8, help="GRPO G")
+    ap.add_argument(
+        "--trajectories-per-batch",
+        type=int,
+        default=None,
+        help="rollout.trajectories_per_batch of the RL runs only (the SFT start is shared); "
+        "for GRPO, groups per update = this / G. Default: the config's",
+    )
     ap.add_argument("--num-eval-tasks", type=int, default=64)
     ap.add_argument("--out", default="runs/bench_stability")
     ap.add_argument("--write", action="store_true", help="update docs/BENCHMARKS.md")
@@ -257,6 +281,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.seeds < 1 or args.first_seed < 0:
         ap.error("--seeds must be >= 1 and --first-seed >= 0")
+    batch = args.trajectories_per_batch
+    if batch is not None and (batch < 1 or ("grpo" in args.algorithms and batch % args.group_size)):
+        ap.error(
+            f"--trajectories-per-batch {batch}: must be >= 1 and, with GRPO, a multiple of "
+            f"--group-size {args.group_size} (whole groups per update)"
+        )
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     seeded = seeds != [0]  # a lone seed 0 keeps the single-seed row labels
 
@@ -272,7 +302,7 @@ def main(argv=None) -> int:
     for k in args.max_staleness:
         for seed in seeds:
             for algo in args.algorithms:
-                run_dir = run_folder(out, algo, k, seed)
+                run_dir = run_folder(out, algo, k, seed, batch)
                 seed_from_sft(sft, run_dir)
                 ov = [
                     *args.override,
@@ -283,15 +313,17 @@ def main(argv=None) -> int:
                     f"tasks.num_eval_tasks={args.num_eval_tasks}",
                     "checkpoint.save_interval=0",
                     "logging.console=false",
+                    *([f"rollout.trajectories_per_batch={batch}"] if batch else []),
                 ]
                 run_job(
                     args.config, ov + algo_overrides(algo, args.group_size, has_vp, base), run_dir
                 )
-                runs[label(algo, k, seed if seeded else None)] = {
+                runs[label(algo, k, seed if seeded else None, batch)] = {
                     **figures(run_dir),
                     "algo": algo,
                     "staleness": k,
                     "seed": seed,
+                    "batch": batch,
                 }
     info = benchlib.measured_machine_info(out, start_info, "stability")
     bounds = [str(k) for k in args.max_staleness]
@@ -303,7 +335,8 @@ def main(argv=None) -> int:
         f"{args.config}, max_staleness {' / '.join(bounds)}, "
         f"{args.steps} updates, "
         + (f"seeds {seeds[0]}-{seeds[-1]} " if len(seeds) > 1 else f"seed {seeds[0]} ")
-        + f"(GRPO G={args.group_size})"
+        + f"(GRPO G={args.group_size}"
+        + (f", {batch} trajectories per update)" if batch else ")")
     )
     img_name = (
         "bench_stability.png"
@@ -320,7 +353,13 @@ def main(argv=None) -> int:
             f"Command:\n\n    {cmd}\n\n{benchlib.machine_line(info)}\n\n"
             f"Config `{args.config}`, one run per algorithm, staleness bound and seed "
             f"(seeds {', '.join(map(str, seeds))}) from the same SFT start, "
-            "`rollout.max_staleness` = "
+            + (
+                f"{batch} trajectories per policy update (GRPO: {batch // args.group_size} groups "
+                f"of {args.group_size}), "
+                if batch
+                else ""
+            )
+            + "`rollout.max_staleness` = "
             f"{' and '.join(bounds)} (fixed bound, deviation controller "
             f"off), {args.steps} policy updates; figures are means over each quarter of the "
             "run. 'Dropped / clipped': SAO's DIS-band drops, GRPO's share outside the band "

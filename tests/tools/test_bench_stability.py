@@ -133,6 +133,7 @@ def test_the_section_shows_the_command_that_regenerates_it():
         out="runs/bench_stability",
         section="Stability (seeds)",
         override=["rl.lr=1e-5"],
+        trajectories_per_batch=None,
     )
     assert bench.command_line(args) == (
         "python tools/bench_stability.py --config examples/configs/quickstart.yaml --steps 200 "
@@ -143,4 +144,35 @@ def test_the_section_shows_the_command_that_regenerates_it():
     assert bench.command_line(args) == (
         "python tools/bench_stability.py --config examples/configs/quickstart.yaml --steps 200 "
         "--max-staleness 2 --algorithms sao grpo --out runs/bench_stability --write"
+    )
+
+
+def test_a_larger_rl_batch_has_its_own_folders_labels_and_command(capsys):
+    import argparse
+
+    import pytest
+
+    out = Path("/tmp/x")
+    assert bench.run_folder(out, "grpo", 2, 0, 32) == out / "staleness2" / "grpo_b32"
+    assert bench.run_folder(out, "grpo", 2, 1, 32) == out / "staleness2" / "grpo_b32_seed1"
+    assert bench.label("grpo", 2, 1, 32) == "GRPO, 32 per update, staleness 2, seed 1"
+    runs = {
+        "a": {**_fig("grpo", 2, 1, [0.1, 0.3, 0.2, 0.1], 0.1, True), "batch": None},
+        "b": {**_fig("grpo", 2, 1, [0.2, 0.4, 0.5, 0.6], 0.5, False), "batch": 32},
+    }
+    rows = bench.seeds_table(runs).splitlines()  # one row per (algorithm, bound, batch)
+    assert rows[2].startswith("| GRPO, staleness 2 | 1 | 1 / 1 |")
+    assert rows[3] == "| GRPO, 32 per update, staleness 2 | 1 | 0 / 1 | 0.600 | 0.600 | 0.500 |"
+    args = argparse.Namespace(
+        config="c.yaml", steps=200, max_staleness=[2], algorithms=["grpo"], seeds=3,
+        first_seed=0, out="runs/s", section=bench.SECTION, override=[], trajectories_per_batch=32,
+    )  # fmt: skip
+    assert bench.command_line(args) == (
+        "python tools/bench_stability.py --config c.yaml --steps 200 --max-staleness 2 "
+        "--algorithms grpo --seeds 3 --trajectories-per-batch 32 --out runs/s --write"
+    )
+    with pytest.raises(SystemExit):  # 20 is not a whole number of GRPO groups of 8
+        bench.main(["--algorithms", "grpo", "--trajectories-per-batch", "20"])
+    assert "--trajectories-per-batch 20: must be >= 1 and, with GRPO, a multiple of" in (
+        capsys.readouterr().err
     )
