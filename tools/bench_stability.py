@@ -23,9 +23,10 @@ or --out/staleness<k>/<algo>_seed<s>; seed s sets ``seed``, ``tasks.train_seed``
 starts from the same SFT policy. `--trajectories-per-batch B` sets
 ``rollout.trajectories_per_batch`` of the RL runs only (GRPO then trains B / G groups per
 update; the SFT start and ``rollout.max_concurrent_episodes`` stay the config's), in folders
-<algo>_b<B>[_seed<s>]. With more than one seed the section adds a table over seeds
-per (algorithm, bound): collapses counted, last-quarter reward and held-out success after RL as
-mean ± standard error.
+<algo>_b<B>[_seed<s>]. `--tag T --rl-override K=V ...` does the same for any RL-only
+overrides (folders <algo>_<T>[_seed<s>], rows "GRPO, T, staleness k"). With more than one seed
+the section adds a table over seeds per (algorithm, bound): collapses counted, last-quarter
+reward and held-out success after RL as mean ± standard error.
 
 Runs are reused from --out (delete a folder to rerun it). `--write` rewrites the section
 "Long-run stability under staleness" of docs/BENCHMARKS.md (another with --section, e.g. for
@@ -111,22 +112,37 @@ def figures(run_dir: Path) -> dict:
     }
 
 
-def label(algo: str, staleness: int, seed: int | None = None, batch: int | None = None) -> str:
-    """A run's row label: 'SAO, staleness 4' (seed None, the config's batch), 'SAO, staleness 4,
-    seed 1', or with --trajectories-per-batch 'GRPO, 32 per update, staleness 2, seed 1'."""
+def label(
+    algo: str,
+    staleness: int,
+    seed: int | None = None,
+    batch: int | None = None,
+    tag: str | None = None,
+) -> str:
+    """A run's row label: 'SAO, staleness 4' (seed None, the config's batch, no tag), 'SAO,
+    staleness 4, seed 1', or with --trajectories-per-batch and --tag 'GRPO, 32 per update,
+    skip, staleness 2, seed 1'."""
     return (
         NAMES[algo]
         + (f", {batch} per update" if batch is not None else "")
+        + (f", {tag}" if tag else "")
         + f", staleness {staleness}"
         + (f", seed {seed}" if seed is not None else "")
     )
 
 
-def run_folder(out: Path, algo: str, staleness: int, seed: int, batch: int | None = None) -> Path:
+def run_folder(
+    out: Path,
+    algo: str,
+    staleness: int,
+    seed: int,
+    batch: int | None = None,
+    tag: str | None = None,
+) -> Path:
     """Where one run lives: out/staleness<k>/<algo> for seed 0 (the layout of single-seed
     studies, so their runs are reused), out/staleness<k>/<algo>_seed<s> otherwise; with
-    --trajectories-per-batch B the algorithm part is <algo>_b<B>."""
-    name = algo if batch is None else f"{algo}_b{batch}"
+    --trajectories-per-batch B and --tag T the algorithm part is <algo>_b<B>_<T>."""
+    name = algo + (f"_b{batch}" if batch is not None else "") + (f"_{tag}" if tag else "")
     return out / f"staleness{staleness}" / (name if seed == 0 else f"{name}_seed{seed}")
 
 
@@ -150,7 +166,7 @@ def plot(runs: dict[str, dict], path: Path, title: str) -> None:
     labelled = set()  # one legend entry per (algorithm, bound); seeds share colour and style
     for f in runs.values():
         style = styles[bounds.index(f["staleness"]) % len(styles)]
-        run_label = label(f["algo"], f["staleness"], batch=f.get("batch"))
+        run_label = label(f["algo"], f["staleness"], batch=f.get("batch"), tag=f.get("tag"))
         legend = run_label if run_label not in labelled else None
         labelled.add(run_label)
         for ax, name in zip(
@@ -210,9 +226,9 @@ def table(runs: dict[str, dict]) -> str:
 def seeds_table(runs: dict[str, dict]) -> str:
     """Per (algorithm, bound) over its seeds: runs flagged collapsed, last-quarter batch reward,
     its best quarter, and held-out success after RL, each mean ± standard error over seeds."""
-    cells: dict[tuple[str, int, int | None], list[dict]] = {}
+    cells: dict[tuple, list[dict]] = {}
     for f in runs.values():
-        cells.setdefault((f["algo"], f["staleness"], f.get("batch")), []).append(f)
+        cells.setdefault((f["algo"], f["staleness"], f.get("batch"), f.get("tag")), []).append(f)
     lines = [
         "| algorithm, bound | seeds | collapsed (rule above) | last-quarter reward | "
         "best-quarter reward | held-out success after RL (before: "
@@ -225,9 +241,9 @@ def seeds_table(runs: dict[str, dict]) -> str:
         m, se, n = benchlib.mean_se(xs)
         return "-" if n == 0 else f"{m:.3f}" + (f" ± {se:.3f}" if n > 1 else "")
 
-    for (algo, k, batch), fs in cells.items():
+    for (algo, k, batch, tag), fs in cells.items():
         lines.append(
-            f"| {label(algo, k, batch=batch)} | {len(fs)} | "
+            f"| {label(algo, k, batch=batch, tag=tag)} | {len(fs)} | "
             f"{sum(f['collapsed'] for f in fs)} / {len(fs)} | "
             f"{ms([f['quarters']['reward'][-1] for f in fs])} | "
             f"{ms([max(f['quarters']['reward']) for f in fs])} | "
@@ -249,6 +265,8 @@ def command_line(args: argparse.Namespace) -> str:
             if args.trajectories_per_batch
             else ""
         )
+        + (f"--tag {args.tag} " if args.tag else "")
+        + "".join(f"--rl-override {o} " for o in args.rl_override)
         + f"--out {args.out} --write "
         + (f'--section "{args.section}" ' if args.section != SECTION else "")
         + " ".join(args.override)
@@ -273,6 +291,19 @@ def main(argv=None) -> int:
         help="rollout.trajectories_per_batch of the RL runs only (the SFT start is shared); "
         "for GRPO, groups per update = this / G. Default: the config's",
     )
+    ap.add_argument(
+        "--tag",
+        default=None,
+        help="a variant's name: its runs live in <algo>_<tag>[_seed<s>] and its rows say it",
+    )
+    ap.add_argument(
+        "--rl-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="section.field=value for the RL runs only (the SFT start stays shared); "
+        "repeatable; needs --tag",
+    )
     ap.add_argument("--num-eval-tasks", type=int, default=64)
     ap.add_argument("--out", default="runs/bench_stability")
     ap.add_argument("--write", action="store_true", help="update docs/BENCHMARKS.md")
@@ -281,6 +312,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.seeds < 1 or args.first_seed < 0:
         ap.error("--seeds must be >= 1 and --first-seed >= 0")
+    if args.rl_override and not args.tag:
+        ap.error(
+            "--rl-override needs --tag NAME: the variant's runs need their own folders (an "
+            "untagged folder holds the runs without the override)"
+        )
+    if args.tag and not args.tag.replace("-", "").replace("_", "").isalnum():
+        ap.error(f"--tag {args.tag!r}: use letters, digits, '-' and '_' (it names folders)")
     batch = args.trajectories_per_batch
     if batch is not None and (batch < 1 or ("grpo" in args.algorithms and batch % args.group_size)):
         ap.error(
@@ -302,7 +340,7 @@ def main(argv=None) -> int:
     for k in args.max_staleness:
         for seed in seeds:
             for algo in args.algorithms:
-                run_dir = run_folder(out, algo, k, seed, batch)
+                run_dir = run_folder(out, algo, k, seed, batch, args.tag)
                 seed_from_sft(sft, run_dir)
                 ov = [
                     *args.override,
@@ -314,16 +352,18 @@ def main(argv=None) -> int:
                     "checkpoint.save_interval=0",
                     "logging.console=false",
                     *([f"rollout.trajectories_per_batch={batch}"] if batch else []),
+                    *args.rl_override,
                 ]
                 run_job(
                     args.config, ov + algo_overrides(algo, args.group_size, has_vp, base), run_dir
                 )
-                runs[label(algo, k, seed if seeded else None, batch)] = {
+                runs[label(algo, k, seed if seeded else None, batch, args.tag)] = {
                     **figures(run_dir),
                     "algo": algo,
                     "staleness": k,
                     "seed": seed,
                     "batch": batch,
+                    "tag": args.tag,
                 }
     info = benchlib.measured_machine_info(out, start_info, "stability")
     bounds = [str(k) for k in args.max_staleness]
@@ -357,6 +397,11 @@ def main(argv=None) -> int:
                 f"{batch} trajectories per policy update (GRPO: {batch // args.group_size} groups "
                 f"of {args.group_size}), "
                 if batch
+                else ""
+            )
+            + (
+                f"variant '{args.tag}' (RL runs only: {', '.join(args.rl_override)}), "
+                if args.tag
                 else ""
             )
             + "`rollout.max_staleness` = "

@@ -5,6 +5,7 @@
       loss_aggregation: token_mean
       entropy_coef: 0.0
       whiten_advantages: false
+      skip_zero_advantage_updates: true
       sao: {...}                # SAOConfig: GAE and the critic (sao)
       grpo: {...}               # GRPOConfig: group size and group statistics (grpo, grpo_dis)
       ppo: {...}                # PPOClipConfig: PPO's clipped surrogate (grpo; ppo_clip weighting)
@@ -243,6 +244,13 @@ class AlgorithmConfig:
     """Weight of the entropy bonus (loss -= entropy_coef * H); >= 0."""
     whiten_advantages: bool = False
     """Normalise policy advantages to zero mean / unit std over the batch's action tokens."""
+    skip_zero_advantage_updates: bool = True
+    """Skip the policy optimiser step when no fresh action token of the batch (over all ranks)
+    has a non-zero advantage and the entropy bonus is off. The loss gradient is then exactly 0,
+    but Adam would still move every weight by its first moment (~lr per step, decaying by
+    beta1): GRPO's update when every group's rewards are equal. The skip is logged as
+    ``policy/skipped_zero_advantage`` = 1 (``policy/update_ok`` 0); the LR schedule does not
+    advance. False: step anyway (what TRL/verl GRPO do)."""
     sao: SAOConfig = field(default_factory=SAOConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     ppo: PPOClipConfig = field(default_factory=PPOClipConfig)
@@ -255,6 +263,7 @@ class AlgorithmConfig:
             "algorithm.entropy_coef", self.entropy_coef, 0.0, math.inf, lo_open=False, hi_open=True
         )
         _boolean("algorithm.whiten_advantages", self.whiten_advantages)
+        _boolean("algorithm.skip_zero_advantage_updates", self.skip_zero_advantage_updates)
         imp = self.importance
         if imp.weighting is None:
             imp.weighting = algo.default_importance

@@ -54,6 +54,8 @@ STANDARD_METRICS: dict[str, str] = {
     "deviation/routing_mismatch_frac": "share of (token, MoE layer) top-k choices where the "
     "trainer's own experts differ from the rollout's recorded ones, 0..1 (MoE with routing)",
     "grad_norm/policy": "global grad norm before clipping",
+    "policy/skipped_zero_advantage": "1: no fresh action token had a non-zero advantage, the "
+    "policy step was skipped (algorithm.skip_zero_advantage_updates)",
     "grad_norm/value": "global grad norm before clipping",
     "lr/policy": "learning rate",
     "lr/value": "learning rate",

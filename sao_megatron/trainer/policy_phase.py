@@ -4,7 +4,10 @@ POLICY_UPDATE minimises the algorithm's policy loss (`Algorithm.policy_loss`; DI
 PPO-clip for GRPO) minus ``algorithm.entropy_coef`` times the token-mean entropy over the fresh
 action tokens. Action tokens beyond the per-token staleness bound (`StepState.stale`) get
 advantage 0 and no entropy bonus; they stay in the token-mean denominator N (global action
-tokens), like DIS-band drops.
+tokens), like DIS-band drops. With ``algorithm.skip_zero_advantage_updates`` a batch whose
+fresh action tokens all have advantage 0 (on every rank) and no entropy bonus has an exactly-zero
+gradient, and the optimiser step is skipped, so that Adam's momentum does not move the policy on
+a batch without signal (``policy/skipped_zero_advantage``).
 
 When the batch carries the experts the engine routed each token to, the policy forwards either
 replay them (``rollout.routing_replay``: POLICY_UPDATE and OLD_LOGPROBS route every recorded
@@ -116,11 +119,25 @@ class PolicyPhases:
             )
         if b.has_routing:
             self._routing_metrics(state)
-        ok, grad_norm = self.policy.step()
+        skip = algorithm.config.skip_zero_advantage_updates and not self._has_signal(
+            extras, entropy_coef
+        )
+        # a skipped step: the gradient is exactly 0 (norm 0), nothing applied, schedule unchanged
+        ok, grad_norm = (False, 0.0) if skip else self.policy.step()
+        state.metrics["policy/skipped_zero_advantage"] = float(skip)
         if recs:
             state.logprobs = torch.cat([r["logprobs"] for r in recs]).cpu()
             state.entropy = torch.cat([r["entropy"] for r in recs]).cpu()
         state.metrics |= self.ctx.update_metrics("policy", self.policy, recs, ok, grad_norm)
+
+    def _has_signal(self, extras: dict[str, torch.Tensor], entropy_coef: float) -> bool:
+        """Whether the policy loss can have a non-zero gradient on any rank of this model:
+        some fresh action token with a non-zero advantage, or the entropy bonus on some fresh
+        action token. One float64 all-reduce over the model's ranks (every rank decides alike).
+        """
+        fresh = extras["action_mask"] & ~extras["stale"]
+        local = (fresh & (extras["advantages"] != 0)).sum() if not entropy_coef else fresh.sum()
+        return self.ctx.world_sum(float(local))[0] > 0
 
     # ---------------------------------------------------------------------- routing
     def _routing_hooks(self) -> RoutingReplay:

@@ -134,6 +134,8 @@ def test_the_section_shows_the_command_that_regenerates_it():
         section="Stability (seeds)",
         override=["rl.lr=1e-5"],
         trajectories_per_batch=None,
+        tag=None,
+        rl_override=[],
     )
     assert bench.command_line(args) == (
         "python tools/bench_stability.py --config examples/configs/quickstart.yaml --steps 200 "
@@ -166,6 +168,7 @@ def test_a_larger_rl_batch_has_its_own_folders_labels_and_command(capsys):
     args = argparse.Namespace(
         config="c.yaml", steps=200, max_staleness=[2], algorithms=["grpo"], seeds=3,
         first_seed=0, out="runs/s", section=bench.SECTION, override=[], trajectories_per_batch=32,
+        tag=None, rl_override=[],
     )  # fmt: skip
     assert bench.command_line(args) == (
         "python tools/bench_stability.py --config c.yaml --steps 200 --max-staleness 2 "
@@ -176,3 +179,38 @@ def test_a_larger_rl_batch_has_its_own_folders_labels_and_command(capsys):
     assert "--trajectories-per-batch 20: must be >= 1 and, with GRPO, a multiple of" in (
         capsys.readouterr().err
     )
+
+
+def test_a_tagged_variant_has_its_own_folders_labels_and_command(capsys):
+    import argparse
+
+    import pytest
+
+    out = Path("/tmp/x")
+    assert bench.run_folder(out, "grpo", 2, 1, tag="skip") == out / "staleness2" / "grpo_skip_seed1"
+    assert bench.run_folder(out, "grpo", 0, 0, 32, "skip") == out / "staleness0" / "grpo_b32_skip"
+    assert bench.label("grpo", 2, 1, tag="skip") == "GRPO, skip, staleness 2, seed 1"
+    runs = {
+        "a": {**_fig("grpo", 2, 1, [0.1, 0.3, 0.2, 0.1], 0.1, True), "tag": None},
+        "b": {**_fig("grpo", 2, 1, [0.2, 0.4, 0.5, 0.6], 0.5, False), "tag": "skip"},
+    }
+    rows = bench.seeds_table(runs).splitlines()
+    assert rows[2].startswith("| GRPO, staleness 2 | 1 | 1 / 1 |")
+    assert rows[3].startswith("| GRPO, skip, staleness 2 | 1 | 0 / 1 |")
+    args = argparse.Namespace(
+        config="c.yaml", steps=200, max_staleness=[2], algorithms=["grpo"], seeds=1,
+        first_seed=1, out="runs/s", section="S", override=[], trajectories_per_batch=None,
+        tag="skip", rl_override=["algorithm.skip_zero_advantage_updates=true"],
+    )  # fmt: skip
+    assert bench.command_line(args) == (
+        "python tools/bench_stability.py --config c.yaml --steps 200 --max-staleness 2 "
+        "--algorithms grpo --first-seed 1 --tag skip "
+        "--rl-override algorithm.skip_zero_advantage_updates=true --out runs/s --write "
+        '--section "S"'
+    )
+    with pytest.raises(SystemExit):  # an RL-only override without its own folders
+        bench.main(["--rl-override", "rl.steps=3"])
+    assert "--rl-override needs --tag NAME" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--tag", "a/b", "--rl-override", "rl.steps=3"])
+    assert "--tag 'a/b': use letters, digits" in capsys.readouterr().err
