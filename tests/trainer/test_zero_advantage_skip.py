@@ -3,8 +3,9 @@
 When every group of a GRPO batch has equal rewards, every advantage is 0 and the policy loss's
 gradient is exactly 0; Adam would still move each weight by its first moment (lr * m_hat /
 sqrt(v_hat) with m decaying by beta1). In the quickstart's stability runs GRPO kept drifting
-for tens of such updates after its last non-zero one (docs/BENCHMARKS.md, "Stability
-controls"). These tests show the drift with the skip off and its absence with the skip on."""
+for tens of such updates after its last non-zero one (docs/BENCHMARKS.md, the
+"Stability control: GRPO ..." sections). These tests show the drift with the skip off and
+its absence with the skip on."""
 
 from __future__ import annotations
 
