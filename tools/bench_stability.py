@@ -320,7 +320,8 @@ def main(argv=None) -> int:
     if args.tag and not args.tag.replace("-", "").replace("_", "").isalnum():
         ap.error(f"--tag {args.tag!r}: use letters, digits, '-' and '_' (it names folders)")
     batch = args.trajectories_per_batch
-    if batch is not None and (batch < 1 or ("grpo" in args.algorithms and batch % args.group_size)):
+    grouped = any(a != "sao" for a in args.algorithms)  # grpo and grpo_dis sample groups
+    if batch is not None and (batch < 1 or (grouped and batch % args.group_size)):
         ap.error(
             f"--trajectories-per-batch {batch}: must be >= 1 and, with GRPO, a multiple of "
             f"--group-size {args.group_size} (whole groups per update)"
