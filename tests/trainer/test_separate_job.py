@@ -143,6 +143,7 @@ def test_separate_job_async_critic_runs_a_batch_ahead(tmp_path):
         "rl.time_budget_s=0.1",
         "value_pretrain.steps=1",
         "value.placement=separate",
+        "value.head_init_std=0.02",  # a zero head at reward 0 gives zero advantages: no update
         "checkpoint.save_interval=0",  # a checkpoint step is never pulled ahead of
         nproc=2,
     )
