@@ -104,15 +104,27 @@ def _git(*args: str) -> str:
 
 
 # ---------------------------------------------------------------------------- jobs
-def run_job(config: str, overrides: list[str], run_dir: Path, *, force: bool = False) -> Path:
-    """Run `sao-train config run_dir=... overrides` unless run_dir/summary.json exists.
+#: in a run folder while run_job's job runs; left behind by a job that was stopped or failed
+RUNNING_MARK = "bench_running"
 
-    The job's stdout/stderr go to run_dir/job.log. Raises RuntimeError with the log's tail if
-    the job fails.
+
+def run_job(config: str, overrides: list[str], run_dir: Path, *, force: bool = False) -> Path:
+    """Run `sao-train config run_dir=... overrides` unless run_dir holds its finished run.
+
+    The job's stdout/stderr go to run_dir/job.log. A job writes summary.json from its first
+    stage on, so run_dir/bench_running marks a job this function started and that has not
+    ended with exit 0; such a folder is never reused. Raises RuntimeError with the log's tail if
+    the job fails, and when run_dir holds another job's run or an unfinished one (delete it).
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     spec = {"config": config, "overrides": overrides}
     spec_file = run_dir / "bench_job.json"
+    running = run_dir / RUNNING_MARK
+    if running.exists() and not force:
+        raise RuntimeError(
+            f"{run_dir} holds an unfinished run (its job was stopped or failed: {running} "
+            "exists); delete the folder to run it again"
+        )
     if (run_dir / "summary.json").exists() and not force:
         old = json.loads(spec_file.read_text()) if spec_file.exists() else spec
         if old != spec:
@@ -123,6 +135,7 @@ def run_job(config: str, overrides: list[str], run_dir: Path, *, force: bool = F
         print(f"[bench] reusing {run_dir} (delete it to re-measure)", flush=True)
         return run_dir
     spec_file.write_text(json.dumps(spec, indent=1))
+    running.write_text(f"started {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC\n")
     global JOBS_RUN
     JOBS_RUN += 1
     cmd = [sys.executable, "-m", "sao_megatron.cli.train", config, f"run_dir={run_dir}"]
@@ -134,6 +147,7 @@ def run_job(config: str, overrides: list[str], run_dir: Path, *, force: bool = F
     if rc != 0:
         tail = "\n".join((run_dir / "job.log").read_text().splitlines()[-40:])
         raise RuntimeError(f"job failed (exit {rc}), log {run_dir / 'job.log'}:\n{tail}")
+    running.unlink()
     print(f"[bench]   done in {time.perf_counter() - t0:.0f} s", flush=True)
     return run_dir
 

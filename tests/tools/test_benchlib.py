@@ -4,6 +4,7 @@ construction, on synthetic run folders (no jobs are started here)."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -89,6 +90,32 @@ def test_cached_run_of_another_job_is_refused(tmp_path):
     assert benchlib.run_job("c.yaml", ["a=1"], run) == run  # same job: reused, not re-run
     with pytest.raises(RuntimeError, match="another job"):
         benchlib.run_job("c.yaml", ["a=2"], run)
+
+
+def test_stopped_or_failed_run_is_never_reused(tmp_path, monkeypatch):
+    """A job writes summary.json from its first stage on: a folder whose job did not end with
+    exit 0 must not pass for a finished run, and a finished one is reused."""
+    calls = []
+
+    def fake_job(cmd, cwd, stdout, stderr):  # the job: summary.json first, then its exit code
+        calls.append(cmd)
+        run_dir = Path(next(a for a in cmd if a.startswith("run_dir=")).split("=", 1)[1])
+        (run_dir / "summary.json").write_text('{"before/eval/success_rate": 0.2}')
+        return subprocess.CompletedProcess(cmd, 1 if "fail=1" in cmd else 0)
+
+    monkeypatch.setattr(benchlib.subprocess, "run", fake_job)
+    bad = tmp_path / "bad"
+    with pytest.raises(RuntimeError, match="job failed"):
+        benchlib.run_job("c.yaml", ["fail=1"], bad)
+    assert (bad / benchlib.RUNNING_MARK).exists() and (bad / "summary.json").exists()
+    with pytest.raises(RuntimeError, match="unfinished run.*delete the folder"):
+        benchlib.run_job("c.yaml", ["fail=1"], bad)
+    assert len(calls) == 1  # refused, not re-run into the old folder
+    good = tmp_path / "good"
+    assert benchlib.run_job("c.yaml", ["a=1"], good) == good
+    assert not (good / benchlib.RUNNING_MARK).exists()
+    assert benchlib.run_job("c.yaml", ["a=1"], good) == good  # finished: reused
+    assert len(calls) == 2
 
 
 @pytest.mark.parametrize(("horizon", "disks"), [(50, {6, 7, 8, 9, 10}), (500, {9, 10})])
