@@ -4,8 +4,9 @@ summarise runs with median and spread, describe the machine, and rewrite a secti
 docs/BENCHMARKS.md.
 
 Every job is a real `sao-train` subprocess (`python -m sao_megatron.cli.train CONFIG
-overrides...`) so a benchmark measures exactly what a user runs. A run whose `summary.json`
-exists is reused (delete its folder to re-measure).
+overrides...`) so a benchmark measures exactly what a user runs. A finished run (its
+`summary.json`, and no `bench_running` left by a job that was stopped or failed) is reused
+(delete its folder to re-measure); an unfinished one is refused until its folder is deleted.
 """
 
 from __future__ import annotations
