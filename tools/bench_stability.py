@@ -151,24 +151,45 @@ def seed_overrides(seed: int) -> list[str]:
     return [f"seed={seed}", f"tasks.train_seed={seed}", f"rollout.seed={seed}"]
 
 
+def line_specs(runs: dict[str, dict]) -> list[tuple[str, str | None, str, str]]:
+    """(row label, legend entry or None, colour, line style) of each run's curves: colour by
+    algorithm and line style by staleness bound, one legend entry per variant (seeds share
+    them); when every run is a seed of one variant, a colour and a legend entry per seed."""
+    colours = {"sao": "tab:blue", "grpo": "tab:orange", "grpo_dis": "tab:green"}
+    styles = ["-", "--", ":", "-."]
+    bounds = sorted({f["staleness"] for f in runs.values()})
+    variant = {
+        k: label(f["algo"], f["staleness"], batch=f.get("batch"), tag=f.get("tag"))
+        for k, f in runs.items()
+    }
+    per_seed = len(runs) > 1 and len(set(variant.values())) == 1
+    specs, labelled = [], set()
+    for i, (key, f) in enumerate(runs.items()):
+        name = key if per_seed else variant[key]
+        specs.append(
+            (
+                key,
+                name if name not in labelled else None,
+                f"C{i % 10}" if per_seed else colours.get(f["algo"], "tab:gray"),
+                styles[bounds.index(f["staleness"]) % len(styles)],
+            )
+        )
+        labelled.add(name)
+    return specs
+
+
 def plot(runs: dict[str, dict], path: Path, title: str) -> None:
-    """One panel per series; colour by algorithm, line style by staleness bound. `runs` maps a
-    row label to `figures()` plus 'algo' and 'staleness'."""
+    """One panel per series (reward, entropy, abs(1 - r), lag, critic EV; 10-update means),
+    lines as `line_specs`. `runs` maps a row label to `figures()` plus 'algo' and
+    'staleness'."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 5, figsize=(25, 4))
-    colours = {"sao": "tab:blue", "grpo": "tab:orange", "grpo_dis": "tab:green"}
-    styles = ["-", "--", ":", "-."]
-    bounds = sorted({f["staleness"] for f in runs.values()})
-    labelled = set()  # one legend entry per (algorithm, bound); seeds share colour and style
-    for f in runs.values():
-        style = styles[bounds.index(f["staleness"]) % len(styles)]
-        run_label = label(f["algo"], f["staleness"], batch=f.get("batch"), tag=f.get("tag"))
-        legend = run_label if run_label not in labelled else None
-        labelled.add(run_label)
+    for key, legend, colour, style in line_specs(runs):
+        f = runs[key]
         for ax, name in zip(
             axes, ("reward", "entropy", "abs(1-r)", "lag", "value EV"), strict=True
         ):
@@ -176,7 +197,7 @@ def plot(runs: dict[str, dict], path: Path, title: str) -> None:
             if not pts:
                 continue
             xs, ys = benchlib.smooth(pts, 10)
-            ax.plot(xs, ys, style, color=colours.get(f["algo"]), alpha=0.8, label=legend)
+            ax.plot(xs, ys, style, color=colour, alpha=0.8, label=legend)
             ax.set(xlabel="policy update", ylabel=f"{name} (10-step mean)")
     axes[2].set_yscale("log")
     for ax in axes:

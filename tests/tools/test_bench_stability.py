@@ -214,3 +214,30 @@ def test_a_tagged_variant_has_its_own_folders_labels_and_command(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--tag", "a/b", "--rl-override", "rl.steps=3"])
     assert "--tag 'a/b': use letters, digits" in capsys.readouterr().err
+
+
+def test_line_specs_tell_seeds_apart_only_within_one_variant():
+    def run(algo, k, seed, tag=None):
+        return {"algo": algo, "staleness": k, "seed": seed, "batch": None, "tag": tag}
+
+    seeds = {bench.label("sao", 2, s): run("sao", 2, s) for s in (0, 1, 2)}
+    specs = bench.line_specs(seeds)
+    assert [legend for _, legend, _, _ in specs] == list(seeds)  # one entry per seed
+    assert len({colour for _, _, colour, _ in specs}) == 3
+    mixed = {
+        **{bench.label("sao", 2, s): run("sao", 2, s) for s in (1, 2)},
+        **{bench.label("grpo", 4, s, tag="skip"): run("grpo", 4, s, "skip") for s in (1, 2)},
+    }
+    specs = bench.line_specs(mixed)
+    assert [legend for _, legend, _, _ in specs] == [
+        "SAO, staleness 2",
+        None,
+        "GRPO, skip, staleness 4",
+        None,
+    ]
+    assert [(colour, style) for _, _, colour, style in specs] == [
+        ("tab:blue", "-"),
+        ("tab:blue", "-"),
+        ("tab:orange", "--"),
+        ("tab:orange", "--"),
+    ]
