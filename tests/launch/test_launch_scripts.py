@@ -7,6 +7,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,10 +22,11 @@ OVERRIDE = re.compile(r"^[a-z_]+(\.[a-z_]+)*=\S+$")
 _SLURM_VARS = ("SLURM_JOB_ID", "SLURM_NNODES", "SLURM_JOB_NODELIST", "SLURM_GPUS_ON_NODE")
 
 
-def _dry_run(script: Path, args: list[str], **env: str) -> list[str]:
-    """Run `script` with DRY_RUN=1 from the repo root; return its stdout lines."""
+def _dry_run(script: Path, args: list[str], path: str | None = None, **env: str) -> list[str]:
+    """Run `script` with DRY_RUN=1 from the repo root (PATH = `path` if given); return its
+    stdout lines."""
     full = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SAO_"))}
-    full |= {"DRY_RUN": "1", "PATH": os.environ["PATH"]} | env
+    full |= {"DRY_RUN": "1", "PATH": path or os.environ["PATH"]} | env
     out = subprocess.run(
         ["bash", str(script), *args],
         cwd=ROOT,
@@ -166,16 +168,52 @@ def _serve_command(lines: list[str]) -> list[str]:
     raise AssertionError(f"no sao_megatron.rollout.serve command in {lines}")
 
 
+# A fake `scontrol` that expands "n[1-3]" as a live SLURM does, and one that fails as it does
+# where SLURM is installed without a usable configuration; the third case has none at all.
+_SCONTROL = {
+    "live": (
+        "import re, sys\n"
+        "m = re.fullmatch(r'(\\w+)\\[(\\d+)-(\\d+)\\]', sys.argv[3])\n"
+        "print(*([f'{m[1]}{i}' for i in range(int(m[2]), int(m[3]) + 1)] if m else"
+        " sys.argv[3].split(',')), sep='\\n')\n"
+    ),
+    "broken": "import sys\nsys.exit('scontrol: error: resolve_ctls_from_dns_srv: no address')\n",
+}
+
+
+@pytest.fixture(params=["live", "broken", "absent"])
+def scontrol_path(request, tmp_path) -> str:
+    """A PATH whose `scontrol` is live, broken or absent, whatever this machine has installed:
+    the script's node list must not depend on it (CI installs a real SLURM mid-suite)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for d in os.environ["PATH"].split(os.pathsep):
+        for exe in Path(d).glob("*") if Path(d).is_dir() else ():
+            link = bin_dir / exe.name
+            if exe.name != "scontrol" and not link.exists() and os.access(exe, os.X_OK):
+                link.symlink_to(exe)
+    if request.param != "absent":
+        fake = bin_dir / "scontrol"
+        fake.write_text(f"#!{sys.executable}\n{_SCONTROL[request.param]}")
+        fake.chmod(0o755)
+    return str(bin_dir)
+
+
 @pytest.mark.parametrize(
     ("nnodes", "nodelist", "engine_hosts", "train_hosts", "shared"),
-    [("3", "n[1-3]", "n3", "n1,n2", False), ("1", "n1", "n1", "n1", True)],
+    [
+        ("3", "n[1-3]", "n3", "n1,n2", False),
+        ("3", "n1,n2,n3", "n3", "n1,n2", False),
+        ("1", "n1", "n1", "n1", True),
+    ],
 )
 def test_slurm_script_gives_rollout_nodes_their_own_step(
-    nnodes, nodelist, engine_hosts, train_hosts, shared
+    nnodes, nodelist, engine_hosts, train_hosts, shared, scontrol_path
 ):
     lines = _dry_run(
         SLURM,
         ["rl.steps=5", "rollout.num_engines=2"],
+        path=scontrol_path,
         RUN_DIR="runs/remote",
         ROLLOUT_NODES="1",
         SLURM_NNODES=nnodes,
@@ -222,3 +260,14 @@ def test_slurm_script_refuses_more_rollout_nodes_than_the_job_has():
     )
     assert out.returncode == 2
     assert "ROLLOUT_NODES=2 must be 0..1" in out.stderr
+
+
+def test_slurm_script_refuses_a_node_list_that_does_not_match_the_node_count(scontrol_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SAO_"))}
+    env |= {"DRY_RUN": "1", "ROLLOUT_NODES": "1", "SLURM_NNODES": "2", "PATH": scontrol_path}
+    env |= {"SLURM_JOB_NODELIST": "n[1-3]"}
+    out = subprocess.run(
+        ["bash", str(SLURM)], cwd=ROOT, env=env, capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 2, out.stdout
+    assert "SLURM_JOB_NODELIST=n[1-3] gives 3 host(s) (n1 n2 n3) for SLURM_NNODES=2" in out.stderr
