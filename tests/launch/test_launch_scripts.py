@@ -181,12 +181,11 @@ _SCONTROL = {
 }
 
 
-@pytest.fixture(params=["live", "broken", "absent"])
-def scontrol_path(request, tmp_path) -> str:
+@pytest.fixture(scope="module", params=["live", "broken", "absent"])
+def scontrol_path(request, tmp_path_factory) -> str:
     """A PATH whose `scontrol` is live, broken or absent, whatever this machine has installed:
     the script's node list must not depend on it (CI installs a real SLURM mid-suite)."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir = tmp_path_factory.mktemp(f"bin-{request.param}")
     for d in os.environ["PATH"].split(os.pathsep):
         for exe in Path(d).glob("*") if Path(d).is_dir() else ():
             link = bin_dir / exe.name
