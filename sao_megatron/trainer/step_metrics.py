@@ -5,6 +5,8 @@ with the behaviour log-probs l_b the engine sampled with, on the tokens the poli
 on (action tokens within the staleness bound): `off_policy_metrics` (mean |1 - r|, r =
 exp(l_theta - l_b), mismatch KL, k3, ESS, fraction outside the DIS band, version lag) and their
 split by cause (`deviation_causes`: version lag, routing differences), summed over DP ranks.
+The batch figures include, per episode-length bucket, the share of action tokens within the
+staleness bound (``rollout/staleness/*``, `sao_megatron.rollout.staleness.in_bound_by_length`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from sao_megatron.algorithm.config import ImportanceConfig
 from sao_megatron.algorithm.deviation_causes import deviation_cause_sums, finish_deviation_causes
 from sao_megatron.algorithm.metrics import off_policy_metrics
+from sao_megatron.rollout.staleness import in_bound_by_length, in_bound_by_length_sums
 from sao_megatron.trainer.step_batch import pred
 from sao_megatron.trainer.step_context import StepContext
 from sao_megatron.trainer.step_state import StepState
@@ -26,15 +29,18 @@ DEVIATION_NAMES = {
 
 
 def batch_metrics(state: StepState, ctx: StepContext) -> dict[str, float]:
-    """The global batch's action tokens and rows with action tokens, and the fraction of its
-    action tokens beyond the staleness bound (`StepState.stale`)."""
+    """The global batch's action tokens and rows with action tokens, the fraction of its
+    action tokens beyond the staleness bound (`StepState.stale`), and per episode-length
+    bucket the fraction within it and the number of episodes (``rollout/staleness/*``)."""
     b, n_tokens = state.batch, state.num_tokens
-    n_stale = ctx.dp_sum(int((state.stale & pred(b.action_mask)).sum()))
+    action = pred(b.action_mask)
+    sums = in_bound_by_length_sums(state.stale, action, b.row_trajectory, b.num_nodes)
+    sums = ctx.dp_sum_dict({"stale": int((state.stale & action).sum())} | sums)  # one all-reduce
     return {
         "batch/num_action_tokens": n_tokens,
         "batch/num_rows": state.num_sequences,
-        "deviation/stale_token_fraction": n_stale / max(n_tokens, 1.0),
-    }
+        "deviation/stale_token_fraction": sums.pop("stale") / max(n_tokens, 1.0),
+    } | in_bound_by_length(sums)
 
 
 def policy_metrics(
