@@ -65,6 +65,11 @@ STANDARD_METRICS: dict[str, str] = {
     "throughput/steps_per_s": "train steps/s (added by MetricsLogger)",
     "rollout/worker_utilization": "busy fraction of rollout workers since the start, 0..1",
     "rollout/busy_fraction": "engines' busy fraction of this step's wall time, 0..1",
+    "rollout/staleness/in_bound_fraction/turns_<bucket>": "share of the action tokens of the "
+    "batch's episodes of <bucket> turns (1, 2-4, 5-16, 17-64, 65-256, 257-inf) within the "
+    "staleness bound, 0..1 (sao_megatron.rollout.staleness.in_bound_by_length)",
+    "rollout/staleness/num_episodes/turns_<bucket>": "episodes of <bucket> turns in the batch "
+    "(buckets without one are not logged)",
     "controller/max_staleness": "deviation controller's admission bound eta (versions)",
     "controller/max_inflight": "deviation controller's episodes-in-flight bound",
     "deviation/token_bound": "per-token staleness bound of this batch (the controller's eta)",
