@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from sao_megatron.plugins import import_plugins
+
 T = TypeVar("T")
 
 
@@ -33,7 +35,9 @@ def load_config(schema: type[T], path: str | Path | None, overrides: list[str] =
     Raises:
         FileNotFoundError: the YAML file does not exist.
         ValueError: unknown key, wrong type, or a value a component's ``__post_init__`` rejects;
-            the message names the dotted field.
+            the message names the dotted field. A ``plugins`` list (a top-level field of the
+            schema) is imported before the sections are validated
+            (`sao_megatron.plugins.PluginError` when one cannot be).
     """
     base = OmegaConf.structured(schema)
     _reset_derived_fields(base)
@@ -55,6 +59,8 @@ def load_config(schema: type[T], path: str | Path | None, overrides: list[str] =
         raise ValueError(f"config field {e.full_key!r}: {e.msg.splitlines()[0]}") from None
     except OmegaConfBaseException as e:  # pragma: no cover - other OmegaConf failures
         raise ValueError(f"config error: {e}") from None
+    if "plugins" in merged:  # registers the algorithms/environments the sections name
+        import_plugins(merged.plugins)
     try:
         return OmegaConf.to_object(merged)  # runs each dataclass's __post_init__
     except ValueError as e:

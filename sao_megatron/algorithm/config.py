@@ -10,10 +10,15 @@
       grpo: {...}               # GRPOConfig: group size and group statistics (grpo, grpo_dis)
       ppo: {...}                # PPOClipConfig: PPO's clipped surrogate (grpo; ppo_clip weighting)
       importance: {...}         # ImportanceConfig: behaviour-policy correction (all)
+      options: {...}            # a plug-in algorithm's own options (its `options_class`)
 
 Each part checks its own ranges in ``__post_init__`` (a ValueError naming the dotted field);
 `AlgorithmConfig.__post_init__` then asks the registered algorithm which parts it reads and
 rejects a non-default value in a part it ignores (a key that would be ignored is an error).
+An algorithm registered from outside the package carries its own settings in ``options``: its
+class names a ``@dataclass(kw_only=True)`` as ``options_class``, which validates them (unknown
+keys and bad values are errors naming ``algorithm.options.<key>``); the built-ins have none, so
+``options`` must stay empty for them (examples/algorithms/rebn.py shows a plug-in).
 Keys of the former flat layout (``algorithm.eps_low``, ...) are listed in `MOVED_FIELDS` with the
 key that replaced them (load_config turns them into a migration error). docs/ALGORITHM.md maps
 each field to the formula it selects.
@@ -24,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from . import registry
 
@@ -255,9 +260,23 @@ class AlgorithmConfig:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     ppo: PPOClipConfig = field(default_factory=PPOClipConfig)
     importance: ImportanceConfig = field(default_factory=ImportanceConfig)
+    options: dict[str, Any] = field(default_factory=dict)
+    """The options of an algorithm that declares an ``options_class`` (a plug-in, e.g.
+    examples/algorithms/rebn.py), validated by that dataclass and completed with its defaults;
+    read them with `typed_options`. Must stay empty for an algorithm without one (the
+    built-ins)."""
+
+    def typed_options(self) -> Any:
+        """``algorithm.options`` as the algorithm's ``options_class`` instance, or None when the
+        algorithm declares none."""
+        cls = getattr(registry.get(self.name), "options_class", None)
+        return None if cls is None else cls(**self.options)
 
     def __post_init__(self) -> None:
         algo = registry.get(self.name)  # ValueError listing the registered names
+        self.options = _checked_options(
+            self.name, getattr(algo, "options_class", None), self.options
+        )
         _choice("algorithm.loss_aggregation", self.loss_aggregation, LOSS_AGGREGATIONS)
         _interval(
             "algorithm.entropy_coef", self.entropy_coef, 0.0, math.inf, lo_open=False, hi_open=True
@@ -284,6 +303,37 @@ class AlgorithmConfig:
                     f"algorithm.importance.{p}={getattr(imp, p)!r} is ignored with "
                     f"algorithm.importance.weighting={imp.weighting!r}: remove it"
                 )
+
+
+def _checked_options(name: str, cls: type | None, options: dict[str, Any]) -> dict[str, Any]:
+    """``algorithm.options`` validated by the algorithm's options dataclass `cls` (its
+    ``__post_init__`` checks the values), with every field filled in; {} without a `cls`.
+
+    Raises ValueError naming ``algorithm.options.<key>`` for a key `cls` does not have, and for
+    any option when the algorithm declares no `cls`."""
+    options = dict(options or {})
+    if cls is None:
+        if options:
+            raise ValueError(
+                f"algorithm.options.{next(iter(options))} is ignored by algorithm.name={name!r} "
+                "(it declares no options_class): remove algorithm.options"
+            )
+        return {}
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise TypeError(f"{name!r}: options_class must be a dataclass, got {cls!r}")
+    fields = [f.name for f in dataclasses.fields(cls) if f.init]
+    for key in options:
+        if key not in fields:
+            raise ValueError(
+                f"algorithm.options.{key}: not an option of algorithm.name={name!r}; its options "
+                f"are {', '.join(fields) or '(none)'}"
+            )
+    for f in dataclasses.fields(cls):
+        no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if f.init and no_default and f.name not in options:
+            raise ValueError(f"algorithm.options.{f.name} is required by algorithm.name={name!r}")
+    checked = cls(**options)  # its __post_init__ checks the values
+    return {f: getattr(checked, f) for f in fields}
 
 
 def _reject_non_default(name: str, key: str, part: object) -> None:

@@ -2,8 +2,12 @@
 
 An algorithm is a class derived from `sao_megatron.algorithm.base.Algorithm`, decorated with
 ``@register``; the built-ins (sao, grpo, grpo_dis) are imported by the package ``__init__``, so
-they are registered before any config is read. Nothing outside this module and the algorithm
-files tests an algorithm's name: callers ask the object (`needs_value_model`, `schedule`, ...).
+they are registered before any config is read. An algorithm in a file of its own outside the
+package (a plug-in, e.g. examples/algorithms/rebn.py) registers when that module is imported:
+``sao-train --import MODULE`` or the config's ``plugins: [MODULE]`` (`sao_megatron.plugins`);
+its own settings go in ``algorithm.options``, validated by the class's ``options_class``.
+Nothing outside this module and the algorithm files tests an algorithm's name: callers ask the
+object (`needs_value_model`, `schedule`, ...).
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ def get(name: str) -> type[Algorithm]:
     if name not in _REGISTRY:
         raise ValueError(
             f"algorithm.name={name!r}: not a registered algorithm; use one of {', '.join(names())}"
+            " (a plug-in registers when its module is imported: `sao-train --import MODULE` or "
+            "plugins: [MODULE] in the config)"
         )
     return _REGISTRY[name]
 

@@ -2,10 +2,15 @@
 
 Launch with ``torchrun --nproc_per_node=N -m sao_megatron.cli.train CONFIG ...`` for several
 ranks (see launch_scripts/). ``--help`` lists the example configs and every config field.
+``--import MODULE`` (repeatable; a dotted module name or a .py path) imports a plug-in that
+registers an algorithm or environment before the config is read, like the config's
+``plugins:`` list, to which it is added (`sao_megatron.plugins`); every rank gets the same
+command line, so every rank imports it.
 
 Exit codes: 0 done; 2 a user error, printed as one line without a traceback: a config error
-(``sao-train: config error: ...``) or a checkpoint that cannot be resumed from
-(``sao-train: checkpoint error: <path> ...; <what to do>``, rank 0 prints it).
+(``sao-train: config error: ...``), a plug-in that cannot be imported (``sao-train: plug-in
+error: ...``) or a checkpoint that cannot be resumed from (``sao-train: checkpoint error:
+<path> ...; <what to do>``, rank 0 prints it).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ USAGE_EXAMPLE = (
     "example:\n  sao-train examples/configs/quickstart.yaml rl.steps=5\n"
     "  torchrun --nproc_per_node=2 -m sao_megatron.cli.train "
     "examples/configs/multirank_tp2_ep2.yaml\n"
+    "  sao-train examples/configs/quickstart.yaml --import examples/algorithms/rebn.py "
+    "algorithm.name=rebn\n"
     "`sao-train --help` lists the example configs and every config field."
 )
 
@@ -142,6 +149,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
     )
+    parser.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import a plug-in module (dotted name or .py path) before the config is read, so "
+        "the algorithms/environments it registers can be named; repeatable; added to the "
+        "config's plugins list",
+    )
     if not argv:  # a bare `sao-train`: how to call it, not "the following arguments..."
         parser.print_usage(sys.stderr)
         parser.exit(2, f"sao-train: give a job config\n{USAGE_EXAMPLE}\n")
@@ -151,12 +168,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     # lines): expected on CPU, and on GPUs the platform log says which kernels were chosen.
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed")
     from sao_megatron.configs import load_config, to_yaml
+    from sao_megatron.plugins import PluginError, import_plugins
     from sao_megatron.trainer.job import JobConfig
 
     try:
+        import_plugins(args.imports, origin="--import")
         job = load_config(JobConfig, args.config, args.overrides)
+    except PluginError as e:
+        parser.exit(2, f"sao-train: plug-in error: {e}\n")
     except (ValueError, FileNotFoundError) as e:
         parser.exit(2, f"sao-train: config error: {e}\n")
+    # recorded in run_dir/config.yaml: `sao-train RUN_DIR/config.yaml` imports them again
+    job.plugins += [m for m in dict.fromkeys(args.imports) if m not in job.plugins]
     if args.print_config:
         print(to_yaml(job))
         return 0

@@ -1,6 +1,6 @@
 """Rollout engines in their own process (a cluster's engine nodes), found by the trainer via files.
 
-``python -m sao_megatron.rollout.serve CONFIG [section.field=value ...]`` starts
+``python -m sao_megatron.rollout.serve CONFIG [--import MODULE] [section.field=value ...]`` starts
 ``rollout.num_engines`` vLLM servers on this node with the command line of `EngineProcess`
 (`EngineProcess.command`), listening on this node's address instead of loopback, and tells the
 trainer their URLs through files next to ``rollout.engine_urls_file`` on storage both see. The
@@ -364,13 +364,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=os.environ.get(HOST_ENV) or socket.gethostname(),
         help=f"address to listen on and advertise (default ${HOST_ENV}, else the hostname)",
     )
+    parser.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="a plug-in module to import before the config is read (as sao-train --import)",
+    )
     args = parser.parse_intermixed_args(argv)
     from sao_megatron.configs import load_config
+    from sao_megatron.plugins import PluginError, import_plugins
     from sao_megatron.trainer.job import JobConfig
 
     try:
+        import_plugins(args.imports, origin="--import")
         job = load_config(JobConfig, args.config, args.overrides)
         urls_file = resolve_urls_file(job.rollout, job.run_dir)
+    except PluginError as e:
+        parser.exit(2, f"sao_megatron.rollout.serve: plug-in error: {e}\n")
     except (ValueError, FileNotFoundError) as e:
         parser.exit(2, f"sao_megatron.rollout.serve: config error: {e}\n")
     task = int(os.environ.get("SLURM_PROCID", "0"))

@@ -259,8 +259,13 @@ class JobConfig:
             section is then read from its config.json (`model_from_hf`), the weights are loaded
             by the converter (`sao_megatron.convert.model_io.load_hf_into_model`, any TP/PP/EP
             layout it supports), and the tokenizer must be ``kind: hf`` with the same folder.
+        plugins: modules imported before the config is validated, so that the algorithms and
+            environments they register can be named in it: dotted module names or paths to
+            .py files (e.g. ``[examples/algorithms/rebn.py]``); ``sao-train --import MODULE``
+            adds to it (`sao_megatron.plugins`).
     """
 
+    plugins: list[str] = field(default_factory=list)
     run_dir: str = "runs/default"
     stages: list[str] = field(default_factory=lambda: list(STAGES))
     seed: int = 0
