@@ -47,10 +47,15 @@ class ActionNode:
             "full_history" mode, where the prompt is the trajectory prefix).
         action_text: decoded action, kept for logs and debugging.
         truncated: the engine cut this action at its token budget (vLLM ``finish_reason ==
-            "length"``) before a stop token: it was not passed to the environment (reward 0)
-            and ended the episode, which is then `Trajectory.truncated` (for the status and
-            metrics; GAE does not bootstrap after a cut action: `TrainBatch.cut_action`). Only
-            the last node can be truncated.
+            "length"``) before a stop token. Any node may be cut. The text runner ends the
+            episode there: the cut action is the last node, never passed to the environment
+            (reward 0), and the trajectory is `Trajectory.truncated`. An agent behind the
+            gateway sees ``finish_reason: "length"`` and may go on: a cut node in the middle
+            of an episode is then an ordinary step (the episode continued from the state its
+            tokens made, so GAE runs through it as through any node). Either way a trajectory
+            whose last node is cut is not bootstrapped (`TrainBatch.truncated` False,
+            `TrainBatch.cut_action` True): bootstrapping there would pay the policy V(s) for
+            running out of tokens.
         routed_experts: [m, num_layers, top_k] uint8/int16 expert indices the engine routed
             each token of this node's sequence segment to (full history: observation then
             action tokens; window: context then action tokens), for the first m tokens of the
@@ -116,7 +121,8 @@ class Trajectory:
         task_id: identifies the task (environment name + seed); GRPO groups by it.
         nodes: the agent turns in order.
         terminated: the environment ended the episode (success, failure, illegal move).
-        truncated: the episode hit its step/token budget; GAE then bootstraps from V(last state).
+        truncated: the episode hit its step/token budget; GAE then bootstraps from V(last state),
+            unless its last node is a cut action (`ActionNode.truncated`).
         temperature, top_p, top_k: sampling settings (top_p 1.0 and top_k 0: off), so the
             trainer scores under the same distribution.
         context_mode: "full_history" or "window" (see module docstring).
@@ -176,12 +182,6 @@ class Trajectory:
             raise ValueError(f"Trajectory.top_k={self.top_k}: must be >= 0 (0 = off)")
         for i, node in enumerate(self.nodes):
             node.validate(where=f"Trajectory[{self.task_id!r}].nodes[{i}]")
-            if node.truncated and (i != len(self.nodes) - 1 or not self.truncated):
-                raise ValueError(
-                    f"Trajectory[{self.task_id!r}].nodes[{i}].truncated: an action cut at its "
-                    "token budget ends the episode, so it must be the last node of a "
-                    "truncated trajectory"
-                )
             if self.context_mode == "window" and node.context_token_ids is None:
                 raise ValueError(
                     f"Trajectory[{self.task_id!r}].nodes[{i}].context_token_ids is None in "

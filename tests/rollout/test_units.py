@@ -339,9 +339,8 @@ def test_runner_action_cut_at_its_token_budget_truncates_the_episode():
     assert t.nodes[1].action_token_ids == [12] * 5 and t.nodes[1].reward == 0.0
     assert t.info["truncated_by"] == "max_tokens_per_action"
     t.validate()
-    t.nodes[0].truncated = True  # only the last node can be the cut one
-    with pytest.raises(ValueError, match=r"nodes\[0\].truncated"):
-        t.validate()
+    t.nodes[0].truncated = True  # a cut node may sit anywhere (a gateway agent goes on)
+    t.validate()
 
 
 class _SlowCountEnv(CountEnv):

@@ -23,7 +23,9 @@ own API key; the agent's ``client`` is an ``openai.AsyncOpenAI`` whose ``base_ur
 3. asks an engine for the action (token ids in; sampled ids, behaviour log-probs and the weight
    version of every token out);
 4. records an `ActionNode` and returns a normal chat completion (``content``, ``tool_calls``
-   parsed from ``<tool_call>{json}</tool_call>`` blocks, ``finish_reason``, ``usage``).
+   parsed from ``<tool_call>{json}</tool_call>`` blocks, ``finish_reason``, ``usage``, and
+   with ``logprobs=true`` the recorded behaviour log-probs); a reply cut at its token limit
+   (``finish_reason: "length"``) is flagged ``ActionNode.truncated`` and the episode goes on.
 
 The agent's return value is the reward (put on the last node); every episode ends with an
 `EpisodeStatus` and only ``completed``/``truncated`` ones carry a trainable trajectory. Time
@@ -35,6 +37,7 @@ run as tasks of the rollout's event loop: they must not block it (run CPU-heavy 
 Modules:
     tool_calls   the ``<tool_call>`` convention <-> OpenAI ``tool_calls``; `TOOL_PROMPT`
     rendering    the append-only history check, chat-template rendering, per-turn prompts
+    logprobs     ``logprobs=true``: the recorded behaviour log-probs in OpenAI's chat format
     session      one episode behind one API key: serves its requests, records its nodes
     server       the aiohttp app (``/v1/chat/completions``, ``/v1/models``), shared per loop
     episode      the agent runner: time limits, outcome and status of one episode

@@ -6,14 +6,22 @@ prompt with the episode's `Conversation` (history check, chat template, token-in
 asks an engine for the action (``generate(episode_id, prompt_ids, max_tokens, seed)``: sampled
 ids + behaviour log-probs + the weight version of every token), records an `ActionNode` and
 returns a normal chat completion (``content``, parsed ``tool_calls``, ``finish_reason``,
-``usage``). A failure marks the session (`fail`) with its `EpisodeStatus`; the agent runner
-(`sao_megatron.rollout.gateway.episode`) watches it and turns it into the episode's outcome.
+``usage``; with ``logprobs=true`` the recorded behaviour log-probs,
+`sao_megatron.rollout.gateway.logprobs`). A failure marks the session (`fail`) with its
+`EpisodeStatus`; the agent runner (`sao_megatron.rollout.gateway.episode`) watches it and turns
+it into the episode's outcome.
 
 Sampling is the rollout's (``rollout.temperature``, ``top_p``, ``seed``); the agent's
 ``temperature``/``top_p``/``seed``/penalties are ignored (counted in ``ignored_params``).
 ``max_tokens``/``max_completion_tokens`` are honoured up to ``rollout.max_tokens_per_action``.
 When the turn budget or ``max_model_len`` is spent the request is refused with
 ``context_length_exceeded`` and the episode is ``truncated``.
+
+A reply cut at its token limit (no stop token: ``finish_reason: "length"``) is recorded with
+``ActionNode.truncated`` at whatever turn it comes; unlike the text runner's cut action (which
+ends its episode) the agent has seen it and may go on, so the episode continues: a cut node in
+the middle is an ordinary GAE step, and a truncated episode whose *last* reply was cut is not
+bootstrapped (`TrainBatch.truncated` False, `cut_action` True), as for the text runner.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from sao_megatron.rollout.engine import (
     Generation,
     MalformedReplyError,
 )
+from sao_megatron.rollout.gateway.logprobs import chat_logprobs, requested_logprobs
 from sao_megatron.rollout.gateway.rendering import Conversation, RequestError
 from sao_megatron.rollout.gateway.tool_calls import parse_tool_calls
 from sao_megatron.rollout.runner import GenerateFn, request_seed
@@ -150,6 +159,7 @@ class Session:
     async def _complete(self, body: dict) -> dict:
         self.num_requests += 1
         turn = len(self.nodes)
+        want_logprobs = requested_logprobs(body)
         p = self.prepare(body)
         prompt = p.token_ids
         room = self.config.max_model_len - len(prompt)
@@ -188,15 +198,15 @@ class Session:
             raise RequestError(self.failure[1], status=None, code="episode_failed")
         text = self.f.action_text(gen.token_ids)
         complete = self.f.is_complete_action(gen.token_ids)
-        self.nodes.append(
-            ActionNode(
-                observation_token_ids=list(p.delta_ids),
-                action_token_ids=list(gen.token_ids),
-                behaviour_logprobs=[min(x, 0.0) for x in gen.logprobs],  # fp rounding above 0
-                policy_versions=list(gen.policy_versions),
-                action_text=text,
-            )
+        node = ActionNode(
+            observation_token_ids=list(p.delta_ids),
+            action_token_ids=list(gen.token_ids),
+            behaviour_logprobs=[min(x, 0.0) for x in gen.logprobs],  # fp rounding above 0
+            policy_versions=list(gen.policy_versions),
+            action_text=text,
+            truncated=not complete,  # cut at its token limit: finish_reason "length"
         )
+        self.nodes.append(node)
         self.conversation.add_action(p, gen.token_ids, text)
         oldest = min(gen.policy_versions)
         self.min_version = oldest if self.min_version is None else min(self.min_version, oldest)
@@ -212,12 +222,19 @@ class Session:
             reply["tool_calls"] = calls
         self.conversation.add_reply(p, text, reply)
         finish = "length" if not complete else ("tool_calls" if calls else "stop")
+        logprobs = (
+            chat_logprobs(self.f.hf, node.action_token_ids, node.behaviour_logprobs)
+            if want_logprobs
+            else None
+        )
         return {
             "id": f"chatcmpl-{self.key[-8:]}-{turn}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": str(body.get("model") or SERVED_MODEL_NAME),
-            "choices": [{"index": 0, "message": reply, "finish_reason": finish, "logprobs": None}],
+            "choices": [
+                {"index": 0, "message": reply, "finish_reason": finish, "logprobs": logprobs}
+            ],
             "usage": {
                 "prompt_tokens": len(prompt),
                 "completion_tokens": len(gen.token_ids),
