@@ -47,6 +47,17 @@ SERVED_MODEL_NAME = "policy"
 WORKER_EXTENSION = "sao_megatron.rollout.vllm_worker_ext.SAOWorkerExtension"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
+#: Seconds the server side of our engines keeps an idle HTTP connection open (uvicorn's
+#: keep-alive, ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``; vLLM's default is 5 s).
+SERVER_KEEP_ALIVE_S = 60
+#: Seconds `EngineClient` reuses an idle pooled connection. It must stay below the server's
+#: keep-alive with a margin (also vLLM's default 5 s, for engines we did not start): with both
+#: at 5 s (httpx's default) a request sent on a connection just as the server closed it died
+#: with ``ReadError`` and the engine was declared failed (issue 31.6, see `EngineClient`).
+CLIENT_KEEP_ALIVE_S = 2.0
+#: The connection was closed (or reset) with no reply: retried once on the same engine.
+_DROPPED = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
 
 class EngineError(RuntimeError):
     """The engine is unreachable, died, timed out or answered with a server error."""
@@ -177,6 +188,7 @@ class EngineProcess:
         env["VLLM_SERVER_DEV_MODE"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.kv_cache_gib))
+        env.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", str(SERVER_KEEP_ALIVE_S))
         # Without an explicit binding every CPU engine pins its threads to core 0.
         ncpu = os.cpu_count() or 1
         per = max(1, (ncpu - 1) // self.config.num_engines)
@@ -330,6 +342,16 @@ class EngineClient:
     """Async HTTP client of one vLLM server (local or remote). Create it inside the event loop
     that uses it (httpx clients are bound to one loop).
 
+    Dropped connections: an idle pooled connection is reused for at most
+    `CLIENT_KEEP_ALIVE_S`, below the server's keep-alive, and a request whose connection is
+    closed or reset with no reply (``ReadError``, ``WriteError``, ``RemoteProtocolError``: the
+    server closed an idle connection as the request went out) is sent once more on the same
+    engine before it counts as an engine fault (`num_retried_requests`
+    counts these). A refused connection (``ConnectError``: nothing listens), a timeout or a
+    second drop raise EngineError at once, so a dead engine is still reported on its first
+    request. Requests in flight during a weight update simply wait: ``/pause?mode=keep``
+    freezes them and ``/resume`` continues them (`sao_megatron.weight_sync.engines`).
+
     Args:
         url: base URL, e.g. "http://127.0.0.1:8000".
         name: label for logs and stats.
@@ -340,18 +362,45 @@ class EngineClient:
         self.url = url.rstrip("/")
         self.name = name
         self.request_timeout_s = request_timeout_s
+        self.num_retried_requests = 0
         self._http = httpx.AsyncClient(
-            base_url=self.url, timeout=request_timeout_s, limits=httpx.Limits(max_connections=256)
+            base_url=self.url,
+            timeout=request_timeout_s,
+            limits=httpx.Limits(max_connections=256, keepalive_expiry=CLIENT_KEEP_ALIVE_S),
         )
 
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _post(self, path: str, timeout: float | None = None, **kw) -> httpx.Response:
+    async def _send(
+        self, method: str, path: str, timeout: float | None, retry: bool = True, **kw
+    ) -> httpx.Response:
+        """One request; a dropped connection is retried once when `retry` (class docstring).
+        Raises EngineError for transport failures and timeouts."""
+        timeout = timeout or self.request_timeout_s
+        retried = ""
         try:
-            r = await self._http.post(path, timeout=timeout or self.request_timeout_s, **kw)
+            try:
+                return await self._http.request(method, path, timeout=timeout, **kw)
+            except _DROPPED as e:
+                if not retry:
+                    raise
+                self.num_retried_requests += 1
+                retried = f" (on the retry after a {type(e).__name__})"
+                log.info(
+                    "%s %s: connection closed with no reply (%s), sending once more",
+                    self.name,
+                    path,
+                    type(e).__name__,
+                )
+                return await self._http.request(method, path, timeout=timeout, **kw)
         except (httpx.TransportError, httpx.TimeoutException) as e:
-            raise EngineError(f"{self.name} {path}: {type(e).__name__}: {e}") from e
+            raise EngineError(f"{self.name} {path}: {type(e).__name__}: {e}{retried}") from e
+
+    async def _post(
+        self, path: str, timeout: float | None = None, retry: bool = True, **kw
+    ) -> httpx.Response:
+        r = await self._send("POST", path, timeout, retry, **kw)
         if r.status_code >= 500:
             raise EngineError(f"{self.name} {path}: HTTP {r.status_code}: {r.text[:300]}")
         if r.status_code >= 400:
@@ -419,9 +468,10 @@ class EngineClient:
         want = end - start
         b64 = r.json()["choices"][0].get("routed_experts")
         if b64 is None:  # vllm-cpu: the V1 runner, our worker extension captured them
-            res = await self._post(
+            res = await self._post(  # not retried: the engine forgets the rows it returns
                 "/collective_rpc",
                 timeout=60.0,
+                retry=False,
                 json={"method": "sao_take_routing", "args": [request_id, start, end]},
             )
             out = (res.json().get("results") or [None])[0]
@@ -470,11 +520,11 @@ class EngineClient:
         await self._post("/update_weight_version", json={"new_version": str(version)})
 
     async def weight_version(self) -> int:
+        r = await self._send("GET", "/weight_info", timeout=10.0)
         try:
-            r = await self._http.get("/weight_info", timeout=10.0)
             return int(r.json()["weight_version"])
-        except (httpx.HTTPError, KeyError, ValueError) as e:
-            raise EngineError(f"{self.name} /weight_info: {e}") from e
+        except (KeyError, ValueError) as e:
+            raise EngineError(f"{self.name} /weight_info: {e}: {r.text[:200]}") from e
 
     async def reset_prefix_cache(self) -> None:
         """Drop all cached KV, including that of paused requests in flight (they are preempted
@@ -487,8 +537,8 @@ class EngineClient:
 
     async def healthy(self, timeout_s: float = 5.0) -> bool:
         try:
-            return (await self._http.get("/health", timeout=timeout_s)).status_code == 200
-        except httpx.HTTPError:
+            return (await self._send("GET", "/health", timeout=timeout_s)).status_code == 200
+        except EngineError:
             return False
 
 
@@ -530,6 +580,7 @@ def python_is_vllm_venv(python: str) -> bool:
 
 
 __all__ = [
+    "CLIENT_KEEP_ALIVE_S",
     "EngineClient",
     "EngineError",
     "EngineProcess",
@@ -539,6 +590,7 @@ __all__ = [
     "group_members",
     "parse_generation",
     "python_is_vllm_venv",
+    "SERVER_KEEP_ALIVE_S",
     "SERVED_MODEL_NAME",
     "WORKER_EXTENSION",
 ]

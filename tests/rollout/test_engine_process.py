@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import httpx
 import pytest
 
+from sao_megatron.net import free_port
 from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.engine import (
+    EngineClient,
     EngineError,
     EngineProcess,
     MalformedReplyError,
@@ -215,3 +222,117 @@ def test_free_port_is_bindable_on_loopback():
     assert 1024 <= port < 65536
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+class DroppingServer:
+    """A loopback HTTP/1.1 server that reads each request in full and, for its first
+    `num_drops` requests, closes (``how="close"``) or resets (``how="reset"``: SO_LINGER 0, an
+    RST) the connection with no reply -- what a vLLM server closing an idle keep-alive
+    connection does to a request that just went out on it (issue 31.6). Later requests get
+    `body` as JSON."""
+
+    def __init__(self, num_drops: int, how: str, body: dict) -> None:
+        self.num_drops, self.how = num_drops, how
+        self.body = json.dumps(body).encode()
+        self.num_requests = 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        buf = b""
+        with conn:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                head, buf = buf.split(b"\r\n\r\n", 1)
+                length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+                while len(buf) < length:
+                    buf += conn.recv(65536)
+                buf = buf[length:]
+                with self._lock:
+                    self.num_requests += 1
+                    drop = self.num_requests <= self.num_drops
+                if drop:
+                    if self.how == "reset":
+                        conn.setsockopt(
+                            socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                        )
+                    return
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                    + f"content-length: {len(self.body)}\r\n\r\n".encode()
+                    + self.body
+                )
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _generate(url: str):
+    """(Generation or the exception raised, the client's retry count) of one request."""
+
+    async def go():
+        client = EngineClient(url, "e0")
+        try:
+            gen = await client.generate(
+                [1, 2, 3], max_tokens=3, temperature=1.0, top_p=1.0, stop_token_ids=[]
+            )
+        except EngineError as e:
+            gen = e
+        finally:
+            await client.aclose()
+        return gen, client.num_retried_requests
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("how", ["close", "reset"])
+def test_a_request_whose_connection_drops_is_sent_once_more_to_the_same_engine(how):
+    """Issue 31.6: before, the first drop (``ReadError`` on a reset, ``RemoteProtocolError`` on
+    a close) was an EngineError and the engine was declared failed."""
+    srv = DroppingServer(num_drops=1, how=how, body=good_choice())
+    try:
+        gen, retried = _generate(srv.url)
+    finally:
+        srv.close()
+    assert not isinstance(gen, BaseException), gen
+    assert gen.token_ids == [5, 6, 7] and gen.policy_versions == [3, 4, 4]
+    assert retried == 1 and srv.num_requests == 2
+
+
+def test_a_second_drop_or_a_refused_connection_is_an_engine_error():
+    srv = DroppingServer(num_drops=2, how="reset", body=good_choice())
+    try:
+        err, retried = _generate(srv.url)
+    finally:
+        srv.close()
+    assert isinstance(err, EngineError) and "on the retry after a ReadError" in str(err), err
+    assert retried == 1 and srv.num_requests == 2  # once more, not forever
+    # a dead engine (nothing listens on the port) fails at once, without a retry
+    err, retried = _generate(f"http://127.0.0.1:{free_port()}")
+    assert isinstance(err, EngineError) and "ConnectError" in str(err), err
+    assert retried == 0
+
+
+def test_the_client_drops_idle_connections_before_the_server_does(tmp_path):
+    """The client's keep-alive is below vLLM's default (5 s) and ours, with a margin of seconds
+    (a loaded server's event loop fires its timer late, not early). The real server keeps its
+    side open that long: tests/rollout/test_weight_swap.py."""
+    from sao_megatron.rollout.engine import CLIENT_KEEP_ALIVE_S, SERVER_KEEP_ALIVE_S
+
+    env = SleeperProcess(make_cfg(tmp_path), 0, tmp_path, tmp_path / "run").environment()
+    assert int(env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"]) == SERVER_KEEP_ALIVE_S
+    assert CLIENT_KEEP_ALIVE_S + 2.0 <= min(5, SERVER_KEEP_ALIVE_S)
