@@ -16,11 +16,16 @@ Batch convention (one trajectory per row, right-padded; see docs/ALGORITHM.md "B
 
 Outputs are [B, T] with 0 on non-action tokens. Everything runs in float64 inside the scan and is
 returned in the dtype of ``values``; nothing loops over rows or tokens in Python.
+
+GAE and GRPO's group statistics read one trajectory (one group) at a time, so a rank computes
+them on its own share of the batch; whitening is a statistic of the whole batch and takes a
+`BatchReducer` (sums over the data-parallel ranks) to be the same at every layout.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -338,17 +343,59 @@ def grpo_advantages(
     return (centred / (std[inv] + eps)).to(scores.dtype)
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / sqrt(var + eps) over the masked entries (population variance); 0 off mask.
+class BatchReducer(Protocol):
+    """Sums over every rank that holds a distinct share of the batch's trajectories.
 
-    Args: x [B, T] float, mask [B, T] bool. Returns [B, T] (dtype of x); all zeros if mask is
-    empty. Whitening is over the tensor given: pass the whole batch, not one micro-batch.
+    A statistic of the whole batch (a mean, a variance) is a ratio of such sums: each rank sums
+    over its own share, `sum` adds the partial sums of all ranks, so the statistic equals that of
+    the concatenated global batch whatever the data-parallel layout. `sum` is a collective:
+    every rank calls it the same number of times, in the same order, with tensors of one shape.
+    The trainer's is `sao_megatron.trainer.step_context.DataParallelSum`; `LOCAL_BATCH` is the
+    identity (one process holds the whole batch).
+    """
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` (float64, any shape) summed elementwise over the ranks; same shape and device."""
+        ...
+
+
+class LocalBatch:
+    """The `BatchReducer` of a batch held whole by this process: the identity."""
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+LOCAL_BATCH = LocalBatch()
+
+
+def masked_whiten(
+    x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, reducer: BatchReducer = LOCAL_BATCH
+) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over the masked entries of the global batch (population
+    variance); 0 off the mask.
+
+    The global batch is the union of every rank's `x` under `reducer` (`BatchReducer`; the
+    default `LOCAL_BATCH`: this tensor alone). Two-pass, in float64, two reductions:
+
+        n = sum_ranks |mask|,  mean = sum_ranks sum_mask x / n,
+        var = sum_ranks sum_mask (x - mean)^2 / n
+
+    which equals whitening the concatenated batch up to float64 rounding. The second pass,
+    rather than var = E[x^2] - mean^2 from one reduction of (n, sum x, sum x^2), avoids the
+    cancellation of the one-pass formula when |mean| >> std: Chan, Golub & LeVeque 1983,
+    "Algorithms for computing the sample variance: analysis and recommendations" (The American
+    Statistician 37(3)), the two-pass algorithm.
+
+    Args: x [B, T] float, mask [B, T] bool. Returns [B, T] (dtype of x); all zeros if the
+    global mask is empty. Pass a whole batch (this rank's share of it), not one micro-batch.
     """
     mask = mask.to(torch.bool)
-    n = mask.sum()
-    if int(n) == 0:
-        return torch.zeros_like(x)
     x64 = torch.where(mask, x.to(torch.float64), 0.0)
-    mean = x64.sum() / n
-    var = torch.where(mask, (x64 - mean) ** 2, 0.0).sum() / n
+    n, total = reducer.sum(torch.stack([mask.sum().to(torch.float64), x64.sum()])).unbind()
+    if float(n) == 0:  # the same on every rank: no rank skips the second reduction alone
+        return torch.zeros_like(x)
+    mean = total / n
+    sq = torch.where(mask, (x64 - mean) ** 2, 0.0).sum()
+    var = reducer.sum(sq.reshape(1))[0] / n
     return torch.where(mask, (x64 - mean) * torch.rsqrt(var + eps), 0.0).to(x.dtype)

@@ -8,6 +8,8 @@ An algorithm object answers, for the trainer (`sao_megatron.trainer.rl_step.RLSt
   (group statistics stay local);
 * ``schedule``: the phases of one train step, in order (`Phase`);
 * ``advantages(inputs)``: advantages (and, with a critic, value targets) at token positions;
+  ``inputs.reducer`` sums over the ranks holding the rest of the batch, for batch statistics
+  (whitening);
 * ``value_targets(inputs)``: value targets that need no value forward (`ValueTargets`), or None;
 * ``policy_loss(...)``: the scalar policy loss of one micro-batch.
 
@@ -24,7 +26,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from .advantages import AdvantageOutput, masked_whiten
+from .advantages import LOCAL_BATCH, AdvantageOutput, BatchReducer, masked_whiten
 
 if TYPE_CHECKING:
     from .config import AlgorithmConfig
@@ -70,6 +72,11 @@ class AdvantageInputs:
     truncated: [B] bool, the episode hit its budget; None = none truncated.
     bootstrap_values: [B] float V of the state after the last action (for truncated rows).
     group_ids: [B] int64, rows with equal id were sampled for the same task.
+    reducer: sums over every rank that holds other trajectories of the batch (`BatchReducer`;
+        the trainer's data-parallel group, `LOCAL_BATCH` on one rank). A statistic over the
+        batch (a mean, a std) must reduce its sums with it, so that it is the global batch's
+        at any data-parallel size; per-trajectory math and group statistics (whole groups stay
+        on one rank with ``keeps_groups_together``) need none.
     """
 
     node_rewards: torch.Tensor
@@ -79,6 +86,7 @@ class AdvantageInputs:
     truncated: torch.Tensor | None = None
     bootstrap_values: torch.Tensor | None = None
     group_ids: torch.Tensor | None = None
+    reducer: BatchReducer = LOCAL_BATCH
 
 
 @dataclass(kw_only=True)
@@ -141,10 +149,12 @@ class Algorithm:
 
     def advantages(self, inputs: AdvantageInputs) -> AdvantageOutput:
         """`compute_advantages`, then, with ``algorithm.whiten_advantages``, `masked_whiten`
-        over the action tokens of the batch given (pass a whole batch, not one micro-batch)."""
+        over the action tokens of the global batch: every rank's share under
+        ``inputs.reducer`` (pass this rank's whole share, not one micro-batch)."""
         out = self.compute_advantages(inputs)
         if self.config.whiten_advantages:
-            out.advantages = masked_whiten(out.advantages, inputs.action_mask.to(torch.bool))
+            mask = inputs.action_mask.to(torch.bool)
+            out.advantages = masked_whiten(out.advantages, mask, reducer=inputs.reducer)
         return out
 
     def value_targets(self, inputs: AdvantageInputs) -> ValueTargets | None:

@@ -127,7 +127,7 @@ class RLStep:
         self.algorithm, self.config = algorithm, algorithm.config
         self.parallel, self.policy, self.value, self.cfg = parallel, policy, value, step_cfg
         self._ctx = StepContext(parallel, step_cfg.micro_batch_size)
-        self._advantages = StepAdvantages(algorithm)
+        self._advantages = StepAdvantages(algorithm, self._ctx.batch_reducer)
         self._phases = {}
         if policy is not None:
             self._policy = PolicyPhases(

@@ -3,13 +3,15 @@
 The algorithm (`sao_megatron.algorithm.base.Algorithm`) computes on one action stream per
 trajectory (`AdvantageInputs`), so its result does not depend on how the trajectories were packed
 into rows; `StepAdvantages` builds those inputs from the real rows of the padded local batch and
-puts the outputs back on its rows ([R, T], 0 on padding rows and off the action tokens).
+puts the outputs back on its rows ([R, T], 0 on padding rows and off the action tokens). Batch
+statistics (whitening) reduce over the other DP ranks' shares with the `BatchReducer` given.
 """
 
 from __future__ import annotations
 
 import torch
 
+from sao_megatron.algorithm.advantages import LOCAL_BATCH, BatchReducer
 from sao_megatron.algorithm.base import AdvantageInputs, Algorithm
 from sao_megatron.data.batch import TrainBatch, gather_to_streams
 from sao_megatron.trainer.step_batch import last_state_values, real_rows, to_padded
@@ -17,10 +19,17 @@ from sao_megatron.trainer.step_state import StepState
 
 
 class StepAdvantages:
-    """Advantages, returns and value targets of `algorithm` on a `StepState`'s local batch."""
+    """Advantages, returns and value targets of `algorithm` on a `StepState`'s local batch.
 
-    def __init__(self, algorithm: Algorithm) -> None:
-        self.algorithm = algorithm
+    Args:
+        algorithm: the algorithm object.
+        reducer: sums over the ranks holding the rest of the batch (`StepContext.batch_reducer`);
+            `LOCAL_BATCH` when the local batch is the whole batch. Every DP rank must then call
+            `compute` in step with the others (the phases do).
+    """
+
+    def __init__(self, algorithm: Algorithm, reducer: BatchReducer = LOCAL_BATCH) -> None:
+        self.algorithm, self.reducer = algorithm, reducer
 
     def inputs(self, real: TrainBatch) -> AdvantageInputs:
         """`AdvantageInputs` of the real rows (one action stream per trajectory), no values."""
@@ -32,6 +41,7 @@ class StepAdvantages:
             action_mask=valid,
             truncated=real.truncated,
             group_ids=torch.tensor([groups[t] for t in real.task_ids], dtype=torch.long),
+            reducer=self.reducer,
         )
 
     def compute(

@@ -1,9 +1,10 @@
 """The execution the phases of a train step share: sums over ranks, one model's update pass.
 
 Loss denominators and logged figures are summed over the data-parallel group (`dp_sum`) so the
-gradient is that of the *global* token-mean and every DP rank logs the same number; a value
-update and a policy update run the same pass (`StepContext.forward_backward`, then the model's
-optimiser step, then `update_metrics`).
+gradient is that of the *global* token-mean and every DP rank logs the same number; the same
+sum, on tensors, is the algorithm's `BatchReducer` (`DataParallelSum`: whitening over the global
+batch). A value update and a policy update run the same pass (`StepContext.forward_backward`,
+then the model's optimiser step, then `update_metrics`).
 """
 
 from __future__ import annotations
@@ -18,16 +19,44 @@ from sao_megatron.parallel.state import ParallelState
 from sao_megatron.trainer.step_batch import model_inputs
 
 
-def _sum(values: list[float], group=None, *, reduce: bool) -> list[float]:
+def _all_reduce_sum(x: torch.Tensor, group, device: torch.device) -> torch.Tensor:
+    """float64 copy of `x` summed over `group`, reduced on `device` (the backend's: NCCL
+    reduces CUDA tensors, gloo CPU ones), returned on the device of `x`."""
+    t = x.detach().to(device=device, dtype=torch.float64, copy=True)
+    dist.all_reduce(t, group=group)
+    return t.to(x.device)
+
+
+def _sum(values: list[float], group, device: torch.device, *, reduce: bool) -> list[float]:
     """float64 all-reduce (sum) of `values` over `group` when `reduce`, else `values`."""
     t = torch.tensor([float(x) for x in values], dtype=torch.float64)
-    if reduce:
-        dist.all_reduce(t, group=group)
-    return t.tolist()
+    return (_all_reduce_sum(t, group, device) if reduce else t).tolist()
 
 
 def _f(x) -> float:
     return float("nan") if x is None else float(x)
+
+
+class DataParallelSum:
+    """The step's `sao_megatron.algorithm.advantages.BatchReducer`: float64 tensors summed over
+    this rank's data-parallel group, the identity at DP = 1.
+
+    The DP group is exactly the set of ranks holding the other trajectories of the batch:
+    `step_batch.shard_batch` deals trajectories by DP rank, and the tensor- and pipeline-parallel
+    peers of a DP rank train on the same ones (expert parallelism splits experts across DP ranks,
+    not data; with a separate critic, the role's own DP group, `sao_megatron.parallel.roles`).
+    """
+
+    def __init__(self, parallel: ParallelState) -> None:
+        self.reduce = parallel.dp > 1
+        self.group = parallel.pg_collection.dp if self.reduce else None
+        self.device = parallel.platform.device
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` summed elementwise over the DP ranks (float64, on the device of `x`)."""
+        if not self.reduce:
+            return x.to(torch.float64)
+        return _all_reduce_sum(x, self.group, self.device)
 
 
 class StepContext:
@@ -36,10 +65,15 @@ class StepContext:
     Args:
         parallel: this rank's parallel state (its DP group sums the step's counts).
         micro_batch_size: rows per micro-batch of every forward/backward (rl.micro_batch_size).
+
+    Attributes:
+        batch_reducer: `DataParallelSum`, the sums over the DP group that `dp_sum` and the
+            algorithm's batch statistics (`AdvantageInputs.reducer`) use.
     """
 
     def __init__(self, parallel: ParallelState, micro_batch_size: int) -> None:
         self.parallel, self.micro_batch_size = parallel, micro_batch_size
+        self.batch_reducer = DataParallelSum(parallel)
 
     def dp_sum(self, x: float) -> float:
         """`x` summed over the data-parallel group (float64)."""
@@ -47,16 +81,15 @@ class StepContext:
 
     def dp_sum_dict(self, d: dict[str, float]) -> dict[str, float]:
         """`dp_sum` of every value, in one all-reduce."""
-        p = self.parallel
-        out = _sum(list(d.values()), p.pg_collection.dp if p.dp > 1 else None, reduce=p.dp > 1)
-        return dict(zip(d, out, strict=True))
+        t = torch.tensor([float(x) for x in d.values()], dtype=torch.float64)
+        return dict(zip(d, self.batch_reducer.sum(t).tolist(), strict=True))
 
     def world_sum(self, *xs: float) -> list[float]:
         """`xs` summed over every rank training this model (float64): the default process
         group, or the role's ranks of a separate critic (`ParallelState.model_group`)."""
         group = self.parallel.model_group
         multi = dist.is_initialized() and dist.get_world_size(group) > 1
-        return _sum(list(xs), group, reduce=multi)
+        return _sum(list(xs), group, self.parallel.platform.device, reduce=multi)
 
     def forward_backward(
         self,
