@@ -1,6 +1,7 @@
-"""Command line: list environments or print one sample episode exactly as the agent sees it.
+"""Command line: list environments, their options, or one sample episode as the agent sees it.
 
     python -m sao_megatron.envs list
+    python -m sao_megatron.envs options hanoi          # the options table (docs/ENVIRONMENTS.md)
     python -m sao_megatron.envs show hanoi --seed 3 --horizon 20 [--epsilon 0.1]
     python -m sao_megatron.envs show all --horizon 5         # every registered environment
     python -m sao_megatron.envs show chain_sum --option difficulty='{"max_digits": 2}'
@@ -19,7 +20,9 @@ import sys
 
 from sao_megatron.data.demonstrations import run_demonstration
 from sao_megatron.data.episode import EpisodeFormatConfig, EpisodeFormatter
-from sao_megatron.envs import make_env, registered_envs
+from sao_megatron.envs import make_env, options_schema, registered_envs
+from sao_megatron.envs.base import fixed_options
+from sao_megatron.envs.options import options_table
 
 
 def _parse_option(text: str) -> tuple[str, object]:
@@ -41,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="print the registered environment names")
+    opts = sub.add_parser("options", help="print an environment's options as a markdown table")
+    opts.add_argument("name", help=f"an environment name, one of {registered_envs()}")
     show = sub.add_parser("show", help="print one sample episode of an environment")
     show.add_argument("name", help=f"'all' or an environment name, one of {registered_envs()}")
     show.add_argument("--seed", type=int, default=0, help="episode seed (default 0)")
@@ -66,6 +71,17 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "list":
         print("\n".join(registered_envs()))
+        return 0
+    if args.command == "options":
+        try:
+            schema = options_schema(args.name)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if schema is None:
+            print(f"{args.name}: no options dataclass declared (its factory's keyword parameters)")
+            return 0
+        print(options_table(schema, fixed_options(args.name)))
         return 0
     if args.name == "all":
         rc = 0

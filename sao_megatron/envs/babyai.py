@@ -25,9 +25,10 @@ only when it imports.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from sao_megatron.envs.base import StepResult, config_from_options, register_env
+from sao_megatron.envs.base import StepResult, options_config, register_env
+from sao_megatron.envs.options import did_you_mean
 
 ACTION_NAMES = ["left", "right", "forward", "pickup", "drop", "toggle", "done"]
 _VIEW = 7  # minigrid's default agent view size; the agent sits at (3, 6) facing "up"
@@ -46,6 +47,8 @@ class BabyAIConfig:
             a no-op step.
     """
 
+    CONFIG_SECTION: ClassVar[str] = "babyai"  # messages say babyai.<field> (see envs.options)
+
     level: str = "BabyAI-GoToLocal-v0"
     binary_reward: bool = True
     success_reward: float = 1.0
@@ -57,9 +60,11 @@ class BabyAIConfig:
         import minigrid  # noqa: F401  (importing registers the BabyAI levels with gymnasium)
 
         if self.level not in gym.registry or not self.level.startswith("BabyAI-"):
+            levels = [k for k in gym.registry if k.startswith("BabyAI-")]
             raise ValueError(
-                f"babyai.level={self.level!r}: not a registered BabyAI level, e.g. "
-                "'BabyAI-GoToLocal-v0', 'BabyAI-PickupLoc-v0'"
+                f"babyai.level={self.level!r}: not a registered BabyAI level; "
+                f"{did_you_mean(self.level, levels)}e.g. 'BabyAI-GoToLocal-v0', "
+                f"'BabyAI-PickupLoc-v0' ({len(levels)} levels: gymnasium ids 'BabyAI-*')"
             )
 
 
@@ -97,7 +102,7 @@ def describe_view(image: Any, carrying: Any = None) -> str:
     )
 
 
-@register_env("babyai")
+@register_env("babyai", options=BabyAIConfig)
 class BabyAIEnv:
     """A BabyAI level with text observations/actions; gold actions from minigrid's BabyAIBot."""
 
@@ -108,7 +113,7 @@ class BabyAIEnv:
 
         if config is not None and options:
             raise TypeError("BabyAIEnv: pass either a BabyAIConfig or keyword options, not both")
-        self.config = config or config_from_options(BabyAIConfig, options, "babyai")
+        self.config = config or options_config("babyai", options)
         self._env = gym.make(self.config.level)
         self.max_steps = int(self._env.unwrapped.max_steps)  # refreshed by reset (level-dependent)
         self.done = True

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from sao_megatron.envs.options import (  # noqa: F401  (config_from_options: re-exported)
+    config_from_options,
+    did_you_mean,
+)
 
 
 @dataclass(kw_only=True)
@@ -64,9 +68,16 @@ class EnvSpec:
         name: a registered environment name (see `registered_envs()`), e.g. "hanoi"; checked
             when the spec is built (so a misspelt name fails when the config loads, with the
             closest registered names suggested). Register your own before loading the config.
-        options: keyword options for that environment's config dataclass, e.g. {"horizon": 200}.
+        options: keyword options of that environment, e.g. {"horizon": 200}; checked when the
+            spec is built against the environment's options dataclass (`options_schema`):
+            unknown keys (with the closest option names), types, ranges and allowed values.
         weight: relative sampling weight when a job mixes several environments (> 0).
+
+    Messages name the fields ``EnvSpec.name`` and ``EnvSpec.options.<key>``; the job config
+    reports them at the entry's path (``tasks.train[0].options.horizn``; `CONFIG_SECTION`).
     """
+
+    CONFIG_SECTION: ClassVar[str] = "EnvSpec"
 
     name: str
     options: dict[str, Any] = field(default_factory=dict)
@@ -75,29 +86,14 @@ class EnvSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"EnvSpec.name={self.name!r}: give a registered environment name")
-        check_env_name(
-            self.name,
-            where="EnvSpec.name (an entry of tasks.train, tasks.eval or demonstrations.envs)",
-        )
+        check_env_name(self.name, where="EnvSpec.name")
         if not (self.weight > 0):
             raise ValueError(f"EnvSpec.weight={self.weight}: must be > 0")
+        options_config(self.name, self.options, where="EnvSpec.options")
 
     def build(self) -> Environment:
         """Build the environment through the registry (`make_env(name, **options)`)."""
         return make_env(self.name, **dict(self.options))
-
-
-def config_from_options(config_cls: type, options: dict[str, Any], where: str) -> Any:
-    """Build the config dataclass `config_cls(**options)`, naming unknown fields in the error.
-
-    Raises ValueError("<where>: unknown option 'x'; valid options: [...]") instead of the bare
-    TypeError a dataclass raises, so a typo in YAML says what the choices were.
-    """
-    names = {f.name for f in dataclasses.fields(config_cls)}
-    unknown = sorted(set(options) - names)
-    if unknown:
-        raise ValueError(f"{where}: unknown option(s) {unknown}; valid options: {sorted(names)}")
-    return config_cls(**options)
 
 
 def task_id(env_name: str, seed: int) -> str:
@@ -107,18 +103,93 @@ def task_id(env_name: str, seed: int) -> str:
 
 EnvFactory = Callable[..., Environment]
 _REGISTRY: dict[str, EnvFactory] = {}
+_SCHEMAS: dict[str, tuple[type, dict[str, Any]]] = {}  # name -> (options dataclass, fixed)
 
 
-def register_env(name: str) -> Callable[[EnvFactory], EnvFactory]:
-    """Decorator: register a factory (class or function taking keyword options) under `name`."""
+def register_env(
+    name: str, options: type | None = None, fixed: Mapping[str, Any] | None = None
+) -> Callable[[EnvFactory], EnvFactory]:
+    """Decorator: register a factory (class or function taking keyword options) under `name`.
+
+    Args:
+        name: the name configs use (``tasks.train: [{name: ...}]``).
+        options: the environment's options dataclass (``@dataclass(kw_only=True)``, each field
+            documented in a ``Fields:`` docstring section and checked in ``__post_init__``,
+            whose messages start with its ``CONFIG_SECTION`` prefix). An EnvSpec's options are
+            checked against it when the job config loads; the factory builds its config with
+            `options_config(name, options)`, the same check. Without it, option names are
+            checked against the factory's keyword parameters (unless it takes ``**kwargs``).
+        fixed: fields of `options` the environment sets itself (``{"dataset": "chain_sum"}``);
+            giving one is an error.
+    """
 
     def deco(factory: EnvFactory) -> EnvFactory:
         if name in _REGISTRY and _REGISTRY[name] is not factory:
             raise ValueError(f"environment {name!r} is already registered")
         _REGISTRY[name] = factory
+        if options is not None:
+            _SCHEMAS[name] = (options, dict(fixed or {}))
         return factory
 
     return deco
+
+
+def options_schema(name: str) -> type | None:
+    """The options dataclass registered for environment `name` (None: none declared)."""
+    check_env_name(name)
+    found = _SCHEMAS.get(name)
+    return found[0] if found else None
+
+
+def fixed_options(name: str) -> dict[str, Any]:
+    """The options environment `name` sets itself (not settable in its options)."""
+    found = _SCHEMAS.get(name)
+    return dict(found[1]) if found else {}
+
+
+def options_config(name: str, options: Mapping[str, Any], where: str | None = None) -> Any:
+    """Check `options` of environment `name` against its schema and return the built options
+    dataclass (None for an environment without one, after checking its keyword parameters).
+
+    where: the field-path prefix of the options in messages (default `name`: ``hanoi.horizn``;
+    an EnvSpec passes ``EnvSpec.options``). Raises ValueError (see
+    `sao_megatron.envs.options.config_from_options`).
+    """
+    where = where or name
+    check_env_name(name)
+    if name not in _SCHEMAS:
+        _check_parameters(name, _REGISTRY[name], options, where)
+        return None
+    config_cls, fixed = _SCHEMAS[name]
+    hints = getattr(config_cls, "FIXED_HINTS", {})
+    for key, value in fixed.items():
+        if isinstance(options, Mapping) and key in options:
+            raise ValueError(
+                f"{where}.{key}: {key!r} is fixed to {value!r} by environment {name!r}; "
+                f"{hints.get(key, 'remove it')}"
+            )
+    merged = {**options, **fixed} if isinstance(options, Mapping) else options
+    return config_from_options(config_cls, merged, where, env=name)
+
+
+def _check_parameters(name: str, factory: EnvFactory, options: Any, where: str) -> None:
+    """Options of an environment without a schema: keys must be the factory's parameters."""
+    if not isinstance(options, Mapping):
+        raise ValueError(f"{where}={options!r}: give a mapping of options of {name!r}")
+    try:
+        params = list(inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check against
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for key in options:
+        if key not in names:
+            qualname = getattr(factory, "__qualname__", repr(factory))
+            raise ValueError(
+                f"{where}.{key}: unknown option of environment {name!r} (not a parameter of "
+                f"{qualname}); {did_you_mean(key, names)}allowed options: {sorted(names)}"
+            )
 
 
 #: optional built-ins, registered only when their package is installed: name -> pip package
@@ -129,8 +200,8 @@ def check_env_name(name: str, where: str = "environment name") -> None:
     """Raise ValueError if `name` is not registered, suggesting the closest registered names
     (difflib) and how to register or install one.
 
-    where: what to call the value in the message (e.g. "EnvSpec.name"; the job config's
-    ``tasks.train``, ``tasks.eval`` and ``demonstrations.envs`` entries are EnvSpecs).
+    where: what to call the value in the message (e.g. "EnvSpec.name", which the job config
+    reports as ``tasks.train[0].name``).
     """
     if name in _REGISTRY:
         return
@@ -139,8 +210,7 @@ def check_env_name(name: str, where: str = "environment name") -> None:
             f"{where}={name!r}: this environment needs the optional package "
             f"{OPTIONAL_ENVS[name]!r}: pip install {OPTIONAL_ENVS[name]}"
         )
-    close = difflib.get_close_matches(name, sorted(_REGISTRY), n=3, cutoff=0.6)
-    hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+    hint = did_you_mean(name, _REGISTRY)
     raise ValueError(
         f"{where}={name!r} is not a registered environment; {hint}registered: "
         f"{sorted(_REGISTRY)}. Register your own with "

@@ -89,9 +89,9 @@ import math
 import random
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from sao_megatron.envs.base import StepResult, config_from_options, register_env
+from sao_megatron.envs.base import StepResult, options_config, register_env
 from sao_megatron.envs.hanoi_states import (  # noqa: F401  (re-exported: the public Hanoi API)
     Move,
     State,
@@ -154,6 +154,8 @@ class HanoiConfig:
         action_format: "move" (exactly ``X->Y``) or "plan" (free text without ``->`` before
             the move; the gold action writes each disk's peg and goal first).
     """
+
+    CONFIG_SECTION: ClassVar[str] = "hanoi"  # messages say hanoi.<field> (see envs.options)
 
     horizon: int = 50
     extra_disks: int = 1
@@ -323,7 +325,7 @@ def legal_moves(state: State) -> list[Move]:
     return [(s, t) for s in range(3) for t in range(3) if s != t and is_legal(state, (s, t))]
 
 
-@register_env("hanoi")
+@register_env("hanoi", options=HanoiConfig)
 class HanoiEnv:
     """Tower of Hanoi with exactly `horizon` optimal moves remaining; see the module docstring.
 
@@ -335,7 +337,7 @@ class HanoiEnv:
     def __init__(self, config: HanoiConfig | None = None, **options: Any) -> None:
         if config is not None and options:
             raise TypeError("HanoiEnv: pass either a HanoiConfig or keyword options, not both")
-        self.config = config or config_from_options(HanoiConfig, options, "hanoi")
+        self.config = config or options_config("hanoi", options)
         self.horizon = self.config.horizon
         self.max_steps = self._budget(self.config.largest_horizon)  # the largest; reset sets it
         self._labels = self.config.peg_labels

@@ -35,9 +35,9 @@ import asyncio
 import random
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from sao_megatron.envs.base import EnvSpec, StepResult, config_from_options, register_env
+from sao_megatron.envs.base import EnvSpec, StepResult, options_config, register_env
 from sao_megatron.envs.heavy_tail import DISTRIBUTIONS, HEAVY_TAILED, sample_heavy_tailed  # noqa: F401
 
 
@@ -53,6 +53,8 @@ class LatencyConfig:
         max_s: cap on one delay, seconds (>= median_s): a hung tool call times out.
         seed: base seed of the delays (with the episode seed and the step index).
     """
+
+    CONFIG_SECTION: ClassVar[str] = "latency"  # messages say latency.<field> (see envs.options)
 
     distribution: str = "lognormal"
     median_s: float = 0.2
@@ -73,6 +75,22 @@ class LatencyConfig:
             raise ValueError(
                 f"latency.max_s={self.max_s}: must be >= latency.median_s ({self.median_s})"
             )
+
+
+#: the environment `make_latency_env` wraps when its options give none (for `show all`)
+DEFAULT_WRAPPED = {"name": "hanoi", "options": {"horizon": 3, "extra_disks": 0}}
+
+
+@dataclass(kw_only=True)
+class LatencyOptions(LatencyConfig):
+    """Options of the ``latency`` environment: the wrapped environment, then `LatencyConfig`'s.
+
+    Fields:
+        env: the wrapped environment, ``{name: hanoi, options: {horizon: 50}}`` (an EnvSpec,
+            checked like any task entry); null: a 3-move Hanoi.
+    """
+
+    env: EnvSpec | None = None
 
 
 class LatencyEnv:
@@ -138,16 +156,11 @@ async def astep(env: Any, action: str) -> StepResult:
     return await asyncio.to_thread(env.step, action)
 
 
-def make_latency_env(env: dict | EnvSpec | None = None, **options: Any) -> LatencyEnv:
-    """Registry factory: `env` is the wrapped environment's EnvSpec (or its dict form
-    ``{name, options}``; default a 3-move Hanoi, for `show all`); the other options fill
-    `LatencyConfig`."""
-    if env is None:
-        env = {"name": "hanoi", "options": {"horizon": 3, "extra_disks": 0}}
-    if not isinstance(env, EnvSpec | dict):
-        raise ValueError(f"latency.env={env!r}: give the wrapped environment, e.g. {{name: hanoi}}")
-    spec = env if isinstance(env, EnvSpec) else EnvSpec(**env)
-    config = config_from_options(LatencyConfig, options, "latency")
+def make_latency_env(**options: Any) -> LatencyEnv:
+    """Registry factory: the options are `LatencyOptions` fields (``env``: the wrapped
+    environment's EnvSpec or its mapping form ``{name, options}``; default `DEFAULT_WRAPPED`)."""
+    config = options_config("latency", options)
+    spec = config.env or EnvSpec(**DEFAULT_WRAPPED)
     return LatencyEnv(spec.build(), config)
 
 
@@ -157,4 +170,4 @@ def register() -> None:
     from sao_megatron.envs.base import _REGISTRY
 
     if _REGISTRY.get("latency") is not make_latency_env:
-        register_env("latency")(make_latency_env)
+        register_env("latency", options=LatencyOptions)(make_latency_env)

@@ -16,11 +16,12 @@ from __future__ import annotations
 import dataclasses
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import reasoning_gym  # at import time, in the importing thread: registers every dataset
 
-from sao_megatron.envs.base import StepResult, config_from_options, register_env
+from sao_megatron.envs.base import StepResult, options_config, register_env
+from sao_megatron.envs.options import did_you_mean
 from sao_megatron.envs.rewards import REWARDS
 
 DEFAULT_INSTRUCTIONS = {
@@ -67,6 +68,11 @@ class ReasoningGymConfig:
             the reward ("Reply with only the final answer." / "Put the final answer in \\boxed{}.").
     """
 
+    CONFIG_SECTION: ClassVar[str] = "reasoning_gym"  # messages: reasoning_gym.<field>
+    FIXED_HINTS: ClassVar[dict[str, str]] = {
+        "dataset": "use the 'reasoning_gym' environment to pick a dataset"
+    }
+
     dataset: str = "chain_sum"
     difficulty: dict[str, Any] = field(default_factory=dict)
     reward: str = "exact_match"
@@ -76,20 +82,20 @@ class ReasoningGymConfig:
         DATASETS = _datasets()  # noqa: N806  (reasoning-gym's name)
         if self.dataset not in DATASETS:
             raise ValueError(
-                f"reasoning_gym.dataset={self.dataset!r}: not a reasoning-gym dataset; e.g. "
-                "'chain_sum', 'basic_arithmetic' (see reasoning_gym.factory.DATASETS)"
+                f"reasoning_gym.dataset={self.dataset!r}: not a reasoning-gym dataset; "
+                f"{did_you_mean(self.dataset, DATASETS)}datasets: {sorted(DATASETS)}"
             )
         if self.reward not in REWARDS:
             raise ValueError(f"reasoning_gym.reward={self.reward!r}: use one of {sorted(REWARDS)}")
         self.difficulty = dict(self.difficulty)
         cfg_cls = DATASETS[self.dataset][1]
         knobs = {f.name for f in dataclasses.fields(cfg_cls)} - {"seed", "size"}
-        bad = sorted(set(self.difficulty) - knobs)
-        if bad:
-            raise ValueError(
-                f"reasoning_gym.difficulty has unknown key(s) {bad} for dataset {self.dataset!r}; "
-                f"valid knobs: {sorted(knobs)}"
-            )
+        for key in self.difficulty:
+            if key not in knobs:
+                raise ValueError(
+                    f"reasoning_gym.difficulty.{key}: unknown difficulty knob of reasoning-gym "
+                    f"dataset {self.dataset!r}; {did_you_mean(key, knobs)}knobs: {sorted(knobs)}"
+                )
         try:
             cfg = cfg_cls(seed=0, size=1, **self.difficulty)
             if hasattr(cfg, "validate"):
@@ -113,7 +119,7 @@ class ReasoningGymEnv:
     def __init__(self, config: ReasoningGymConfig | None = None, **options: Any) -> None:
         if config is not None and options:
             raise TypeError("ReasoningGymEnv: pass a ReasoningGymConfig or options, not both")
-        self.config = config or config_from_options(ReasoningGymConfig, options, "reasoning_gym")
+        self.config = config or options_config("reasoning_gym", options)
         self.name = self.config.dataset
         self._reward_fn = REWARDS[self.config.reward]
         instruction = self.config.instruction
@@ -161,25 +167,21 @@ class ReasoningGymEnv:
         return StepResult(observation="", reward=reward, done=True, info=info)
 
 
-@register_env("reasoning_gym")
+@register_env("reasoning_gym", options=ReasoningGymConfig)
 def make_reasoning_gym(**options: Any) -> ReasoningGymEnv:
-    """Any reasoning-gym dataset: options are ReasoningGymConfig fields (dataset=... required)."""
-    return ReasoningGymEnv(**options)
+    """Any reasoning-gym dataset: options are ReasoningGymConfig fields (`dataset` picks it)."""
+    return ReasoningGymEnv(options_config("reasoning_gym", options))
 
 
-@register_env("chain_sum")
+@register_env("chain_sum", options=ReasoningGymConfig, fixed={"dataset": "chain_sum"})
 def make_chain_sum(**options: Any) -> ReasoningGymEnv:
-    """reasoning-gym `chain_sum` (sums/differences of integers); options as ReasoningGymConfig."""
-    if "dataset" in options:
-        raise ValueError("chain_sum: 'dataset' is fixed; use the 'reasoning_gym' env to pick one")
-    return ReasoningGymEnv(dataset="chain_sum", **options)
+    """reasoning-gym `chain_sum` (sums/differences of integers); options as ReasoningGymConfig
+    without `dataset`."""
+    return ReasoningGymEnv(options_config("chain_sum", options))
 
 
-@register_env("basic_arithmetic")
+@register_env("basic_arithmetic", options=ReasoningGymConfig, fixed={"dataset": "basic_arithmetic"})
 def make_basic_arithmetic(**options: Any) -> ReasoningGymEnv:
-    """reasoning-gym `basic_arithmetic` (+-*/ with parentheses); options as ReasoningGymConfig."""
-    if "dataset" in options:
-        raise ValueError(
-            "basic_arithmetic: 'dataset' is fixed; use the 'reasoning_gym' env to pick one"
-        )
-    return ReasoningGymEnv(dataset="basic_arithmetic", **options)
+    """reasoning-gym `basic_arithmetic` (+-*/ with parentheses); options as ReasoningGymConfig
+    without `dataset`."""
+    return ReasoningGymEnv(options_config("basic_arithmetic", options))

@@ -17,6 +17,7 @@ from sao_megatron.data.demonstrations import DemonstrationConfig
 from sao_megatron.data.episode import EpisodeFormatConfig
 from sao_megatron.data.tokenizer import TokenizerConfig
 from sao_megatron.envs.base import EnvSpec
+from sao_megatron.envs.options import config_from_options
 from sao_megatron.models.config import MoEModelConfig
 from sao_megatron.models.freeze import VALUE_DEFAULT_FREEZE_PATTERNS
 from sao_megatron.optim.config import OptimizerConfig, PrecisionConfig
@@ -90,13 +91,21 @@ def model_from_hf(user: MoEModelConfig, hf_dir: str) -> MoEModelConfig:
     return dataclasses.replace(hf, **keep)
 
 
+def _env_spec(entry: EnvSpec | dict, where: str) -> EnvSpec:
+    """An EnvSpec from a task entry (or itself); errors name `where` (``tasks.train[0]``)."""
+    return entry if isinstance(entry, EnvSpec) else config_from_options(EnvSpec, entry, where)
+
+
 @dataclass(kw_only=True)
 class TasksConfig:
     """Which tasks RL trains on and which held-out tasks it is evaluated on.
 
     Fields:
-        train: environments RL samples tasks from (weighted by EnvSpec.weight).
-        eval: environments of the held-out evaluation (default: the train environments).
+        train: environments RL samples tasks from (weighted by EnvSpec.weight). Each entry's
+            name and options are checked when the config loads, against the environment's
+            options dataclass (docs/ENVIRONMENTS.md); errors name ``tasks.train[i].options.x``.
+        eval: environments of the held-out evaluation (default: the train environments),
+            checked likewise.
         train_seed: base seed of the training task stream.
         eval_seed: base seed of the held-out tasks; eval seeds are drawn from another stream
             than train seeds (different base), so the two sets do not overlap in practice.
@@ -115,8 +124,9 @@ class TasksConfig:
         return self.eval or self.train
 
     def __post_init__(self) -> None:
-        self.train = [e if isinstance(e, EnvSpec) else EnvSpec(**e) for e in self.train]
-        self.eval = [e if isinstance(e, EnvSpec) else EnvSpec(**e) for e in self.eval]
+        # each entry's name and options are checked here (EnvSpec), errors at its path
+        self.train = [_env_spec(e, f"tasks.train[{i}]") for i, e in enumerate(self.train)]
+        self.eval = [_env_spec(e, f"tasks.eval[{i}]") for i, e in enumerate(self.eval)]
         if not self.train:
             raise ValueError("tasks.train is empty: list at least one environment")
         if self.train_seed == self.eval_seed:
