@@ -9,6 +9,7 @@ any TP size.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import warnings
@@ -268,7 +269,7 @@ def test_keep_last_k_prunes_after_completion(one_rank, tmp_path):
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "all")] == [1, 2, 3]
 
 
-def test_crash_before_manifest_keeps_previous_latest(one_rank, tmp_path, monkeypatch):
+def test_crash_before_manifest_keeps_previous_latest(one_rank, tmp_path, monkeypatch, caplog):
     mgr = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path), keep_last_k=1))
     _save(mgr, step=1, seed=1)
 
@@ -282,8 +283,8 @@ def test_crash_before_manifest_keeps_previous_latest(one_rank, tmp_path, monkeyp
     stale = ckpt.stale_tmp_dirs(tmp_path)
     assert len(stale) == 1 and not (stale[0] / "manifest.json").exists()
     assert ckpt.find_latest(tmp_path) == tmp_path / "step_00000001"
-    with pytest.warns(UserWarning, match="interrupted save"):
-        resume = mgr.resolve_resume()
+    resume = mgr.resolve_resume()
+    assert any("interrupted save" in m for _, m in _job_log(caplog))
     model = _build_model(1, None)
     assert mgr.load(resume, {"policy": model.sharded_state_dict()}).common.train_step == 1
     for name, ref in _params(_build_model(1, seed=1)).items():
@@ -377,7 +378,7 @@ def test_bad_pointers_and_paths(one_rank, tmp_path):
         mgr.load(tmp_path / "step_00000009", {})
 
 
-def test_incompatible_part_never_half_loads(one_rank, tmp_path):
+def test_incompatible_part_never_half_loads(one_rank, tmp_path, caplog):
     mgr = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path)))
     policy, value = _build_model(1, seed=1), _build_model(1, seed=2)
     path = mgr.save(
@@ -397,11 +398,9 @@ def test_incompatible_part_never_half_loads(one_rank, tmp_path):
         mgr.load(path, {"policy": policy2.sharded_state_dict(), "optimizer": {}})
     _assert_all_nan(policy2)
     parts = {"policy": policy2.sharded_state_dict(), "value": wide_value.sharded_state_dict()}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        result = mgr.load(path, parts, optional_parts=["value"])
+    result = mgr.load(path, parts, optional_parts=["value"])
     assert list(result.skipped_parts) == ["value"]
-    assert any("not loading part 'value'" in str(w.message) for w in caught)
+    assert any("not loading part 'value'" in m for _, m in _job_log(caplog))
     for name, ref in _params(policy).items():
         assert torch.equal(dict(policy2.named_parameters())[name], ref)
     _assert_all_nan(wide_value)
@@ -422,7 +421,7 @@ class _Counter:
         self.value = state_dict["value"]
 
 
-def test_stateful_objects_round_trip_by_name(one_rank, tmp_path):
+def test_stateful_objects_round_trip_by_name(one_rank, tmp_path, caplog):
     mgr = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path)))
     run, tasks = _Counter(7), _Counter(64)
     assert isinstance(run, ckpt.Stateful)
@@ -446,13 +445,15 @@ def test_stateful_objects_round_trip_by_name(one_rank, tmp_path):
     _assert_all_nan(nan_model)
     assert fresh.loaded == [] and tasks2.loaded == []
     # ... unless it is optional: skipped, reported, the others load
-    with pytest.warns(UserWarning, match="not loading part 'sched'"):
-        result = mgr.load(
-            path,
-            {"policy": nan_model.sharded_state_dict()},
-            states={"run": fresh, "sched": tasks2},
-            optional_parts=["sched"],
-        )
+    result = mgr.load(
+        path,
+        {"policy": nan_model.sharded_state_dict()},
+        states={"run": fresh, "sched": tasks2},
+        optional_parts=["sched"],
+    )
+    assert ("WARNING", f"not loading part 'sched' of {path}: {result.skipped_parts['sched']}") in (
+        _job_log(caplog)
+    )
     assert list(result.skipped_parts) == ["sched"] and fresh.value == 7 and tasks2.loaded == []
     with pytest.raises(ValueError, match="train_step=4 != common.train_step=5"):
         mgr.save({}, CommonState(train_step=5), train_step=4)
@@ -642,7 +643,7 @@ def test_lr_schedule_resumed_inside_warmup_matches_uninterrupted(one_rank, tmp_p
 
 # ---------------------------------------------------------------- missing `latest`, pruning -------
 @pytest.mark.parametrize("pointer", [None, "garbage\n", "step_00000009\n", ""])
-def test_missing_or_garbled_latest_resumes_newest_complete(one_rank, tmp_path, pointer):
+def test_missing_or_garbled_latest_resumes_newest_complete(one_rank, tmp_path, pointer, caplog):
     """Issue 19.4: complete step folders without a usable ``latest`` resume from the newest
     complete one (with a warning) instead of starting fresh."""
     mgr = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path), keep_last_k=0))
@@ -651,13 +652,54 @@ def test_missing_or_garbled_latest_resumes_newest_complete(one_rank, tmp_path, p
     (tmp_path / "latest").unlink()
     if pointer is not None:
         (tmp_path / "latest").write_text(pointer)
-    with pytest.warns(UserWarning, match=r"resuming from the newest complete.*step_00000003"):
-        resume = mgr.resolve_resume()
+    resume = mgr.resolve_resume()
     assert resume == tmp_path / "step_00000003"
+    assert any(
+        level == "WARNING" and "resuming from the newest complete step folder" in m
+        for level, m in _job_log(caplog)
+    )
     model = _build_model(1, None)
     assert mgr.load(resume, {"policy": model.sharded_state_dict()}).common.train_step == 3
     for name, ref in _params(_build_model(1, seed=3)).items():
         assert torch.equal(dict(model.named_parameters())[name], ref)
+
+
+def _job_log(caplog) -> list[tuple[str, str]]:
+    """(level, message) of the records logged under the job's logger, sao_megatron.trainer."""
+    return [
+        (r.levelname, r.getMessage())
+        for r in caplog.records
+        if r.name == "sao_megatron.trainer" or r.name.startswith("sao_megatron.trainer.")
+    ]
+
+
+def test_resume_messages_reach_the_job_log_with_warnings_ignored(one_rank, tmp_path, caplog):
+    """Issue 31.5: what resolving the resume point decides is logged through the job's logger
+    (sao_megatron.trainer), so it is in the job log even under PYTHONWARNINGS=ignore: a missing
+    ``latest`` (resuming from the newest complete step), a leftover of an interrupted save, and
+    a resume=auto that finds nothing (a fresh start)."""
+    mgr = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path), keep_last_k=0))
+    _save(mgr, 1)
+    _save(mgr, 2)
+    (tmp_path / "latest").unlink()
+    (tmp_path / "step_00000003.tmp-0123abcd").mkdir()
+    empty = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path / "none_yet")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # what PYTHONWARNINGS=ignore does
+        with caplog.at_level(logging.INFO, logger="sao_megatron.trainer"):
+            assert mgr.resolve_resume() == tmp_path / "step_00000002"
+            assert empty.resolve_resume() is None
+    stale, latest = tmp_path / "step_00000003.tmp-0123abcd", tmp_path / "latest"
+    assert _job_log(caplog) == [
+        ("WARNING", f"checkpoint.resume=auto: ignoring {stale}: left by an interrupted save"),
+        (
+            "WARNING",
+            f"checkpoint.resume=auto: {latest} is missing; resuming from the newest complete "
+            f"step folder {tmp_path / 'step_00000002'} (set checkpoint.resume=<path> to choose "
+            "another, or checkpoint.resume=none)",
+        ),
+        ("INFO", f"checkpoint.resume=auto: no checkpoint in {tmp_path / 'none_yet'}; start fresh"),
+    ]
 
 
 def test_missing_latest_with_incomplete_newest_folder_is_an_error(one_rank, tmp_path):

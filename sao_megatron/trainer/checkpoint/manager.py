@@ -13,7 +13,6 @@ import re
 import shutil
 import time
 import uuid
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,6 +41,8 @@ from sao_megatron.trainer.checkpoint.manifest import (
 from sao_megatron.trainer.checkpoint.rng import capture_rng_state, restore_rng_state
 from sao_megatron.trainer.checkpoint.state import CommonState, Stateful
 
+# a child of the job's logger (sao_megatron.trainer): what resuming decides is in the job log,
+# also under PYTHONWARNINGS=ignore (warnings.warn is not)
 logger = logging.getLogger(__name__)
 
 _PART_RE = re.compile(r"^[A-Za-z0-9_]+$")
@@ -272,7 +273,9 @@ class CheckpointManager:
 
         Decided on rank 0 and sent to every rank. ``auto`` follows ``latest`` in load_dir (or
         save_dir); without a usable ``latest`` it takes the newest complete step folder with a
-        warning (see `find_resume_point`).
+        warning (see `find_resume_point`); finding nothing, it starts fresh (logged at INFO).
+        Rank 0 logs these through the job's logger (``sao_megatron.trainer.checkpoint.manager``,
+        a child of ``sao_megatron.trainer``).
 
         Raises:
             CheckpointError: resume is a path that holds no checkpoint, or ``latest`` is
@@ -287,18 +290,29 @@ class CheckpointManager:
         path, warning, error = coll.broadcast_from_rank0(result)
         if error is not None:
             raise CheckpointError(error)
-        if warning is not None and coll.rank() == 0:
-            warnings.warn(warning, stacklevel=2)
+        if coll.rank() == 0:
+            resume = self.config.resume
+            if warning is not None:
+                logger.warning("checkpoint.resume=%s: %s", resume, warning)
+            elif path is None and resume == "auto":
+                logger.info(
+                    "checkpoint.resume=auto: no checkpoint in %s; start fresh", self._resume_root()
+                )
         return path
+
+    def _resume_root(self) -> Path:
+        return Path(self.config.load_dir or self.config.save_dir)
 
     def _resolve_here(self) -> tuple[Path | None, str | None]:
         resume = self.config.resume
         if resume == "none":
             return None, None
         if resume == "auto":
-            root = Path(self.config.load_dir or self.config.save_dir)
+            root = self._resume_root()
             for stale in stale_tmp_dirs(root):
-                warnings.warn(f"ignoring {stale}: left by an interrupted save", stacklevel=3)
+                logger.warning(
+                    "checkpoint.resume=auto: ignoring %s: left by an interrupted save", stale
+                )
             return find_resume_point(root)
         path = Path(resume)
         if path.is_dir() and STEP_RE.match(path.name):
@@ -396,7 +410,7 @@ class CheckpointManager:
             skipped[name] = reason
         if coll.rank() == 0:
             for name, reason in skipped.items():
-                warnings.warn(f"not loading part '{name}' of {path}: {reason}", stacklevel=2)
+                logger.warning("not loading part '%s' of %s: %s", name, path, reason)
         state_dicts = {
             name: dist_checkpointing.load(sd, str(path / name))
             for name, sd in sharded_state_dicts.items()
@@ -424,9 +438,10 @@ class CheckpointManager:
             restore_rng_state(torch.load(rng_file, weights_only=False))
             return True
         if coll.rank() == 0:
-            warnings.warn(
-                f"RNG states not restored: saved with world size {manifest['world_size']}, "
-                f"now {coll.world_size()}; random draws will differ from the uninterrupted run",
-                stacklevel=3,
+            logger.warning(
+                "RNG states not restored: saved with world size %s, now %d; random draws will "
+                "differ from the uninterrupted run",
+                manifest["world_size"],
+                coll.world_size(),
             )
         return False
