@@ -13,11 +13,13 @@ Choices and simplifications:
 2. One return per trajectory, undiscounted: R_i = sum_n r_{i,n} over its action nodes.
    (GEM normalises per-turn discounted returns G_{i,n}; with one reward at the end and
    gamma = 1 they are this R_i on every turn.)
-3. Return batch normalisation over the B trajectories of the batch the trainer hands the
-   algorithm (each data-parallel rank's own batch: the statistics are per rank at DP > 1),
-   with the population std, as batch normalisation does:
+3. Return batch normalisation over the B trajectories of the global batch, with the
+   population std, as batch normalisation does:
        A_i = (R_i - mean_B R) / (std_B R + eps)       (std_normalize=false: A_i = R_i - mean_B R)
    the same A_i on every action token of trajectory i; a batch of equal returns gives A = 0.
+   Each data-parallel rank holds a share of the batch; the sums behind mean and std go through
+   ``inputs.reducer`` (a sum over the DP ranks, two passes: B and sum R, then sum (R - mean)^2),
+   so A is the same at any DP size.
 4. Loss: importance-weighted REINFORCE on the trainer's log-probs l_theta, with the behaviour
    weight w_t of `algorithm.importance.weighting` on r_t = exp(l_theta - l_b) (default tis:
    w_t = min(r_t, tis_cap), the truncated IS that corrects for the engine's stale/mismatched
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sao_megatron.algorithm.advantages import AdvantageOutput
+from sao_megatron.algorithm.advantages import LOCAL_BATCH, AdvantageOutput, BatchReducer
 from sao_megatron.algorithm.base import AdvantageInputs, Algorithm, Phase
 from sao_megatron.algorithm.importance import importance_weights
 from sao_megatron.algorithm.losses import policy_gradient_loss
@@ -58,14 +60,21 @@ class ReBNOptions:
 
 
 def rebn_advantages(
-    node_rewards: torch.Tensor, action_mask: torch.Tensor, eps: float, std_normalize: bool = True
+    node_rewards: torch.Tensor,
+    action_mask: torch.Tensor,
+    eps: float,
+    std_normalize: bool = True,
+    reducer: BatchReducer = LOCAL_BATCH,
 ) -> torch.Tensor:
     """A [B, T] (dtype of node_rewards): the batch-normalised return of each trajectory on its
-    action tokens (choice 3), 0 elsewhere. node_rewards [B, N] float, action_mask [B, T] bool."""
+    action tokens (choice 3), 0 elsewhere; the batch is every rank's rows under `reducer` (each
+    rank calls this once per step, in step). node_rewards [B, N] float, action_mask [B, T]."""
     returns = node_rewards.to(torch.float64).sum(dim=1)  # R_i: [B]
-    centred = returns - returns.mean()
+    num, total = reducer.sum(torch.stack([returns.new_tensor(returns.numel()), returns.sum()]))
+    centred = returns - (total / num if num > 0 else 0.0)
     if std_normalize:
-        centred = centred / (centred.pow(2).mean().sqrt() + eps)  # population std
+        var = reducer.sum(centred.pow(2).sum().reshape(1))[0] / num.clamp(min=1)
+        centred = centred / (var.sqrt() + eps)  # population std
     adv = torch.where(action_mask.to(torch.bool), centred[:, None], 0.0)
     return adv.to(node_rewards.dtype)
 
@@ -92,7 +101,9 @@ class ReBN(Algorithm):
 
     def compute_advantages(self, inputs: AdvantageInputs) -> AdvantageOutput:
         opt = self.options
-        adv = rebn_advantages(inputs.node_rewards, inputs.action_mask, opt.eps, opt.std_normalize)
+        adv = rebn_advantages(
+            inputs.node_rewards, inputs.action_mask, opt.eps, opt.std_normalize, inputs.reducer
+        )
         return AdvantageOutput(advantages=adv)
 
     def policy_loss(

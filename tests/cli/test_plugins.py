@@ -179,6 +179,23 @@ def test_rebn_advantages_match_a_float64_reference():
     )
 
 
+def test_rebn_statistics_are_the_global_batch_s_across_dp_ranks():
+    """Two ranks (threads, a barrier-synchronised sum: tests/algorithm/test_whiten_reducer.py)
+    holding 3 and 4 trajectories get the advantages of the 7-trajectory batch."""
+    from tests.algorithm.test_whiten_reducer import ThreadGroup
+
+    rebn = _rebn()
+    torch.manual_seed(2)
+    node_rewards = torch.randn(7, 4, dtype=torch.float64) + 3.0  # |mean| >> std: two passes
+    mask = torch.rand(7, 6) < 0.6
+    whole = rebn.rebn_advantages(node_rewards, mask, 1e-6)
+    shares = [(node_rewards[:3], mask[:3]), (node_rewards[3:], mask[3:])]
+    parts = ThreadGroup(2).run(lambda sh, red: rebn.rebn_advantages(*sh, 1e-6, True, red), shares)
+    torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-12, atol=1e-12)
+    local = rebn.rebn_advantages(*shares[0], 1e-6)  # what rank 0 alone would compute
+    assert (local - whole[:3]).abs().max() > 1e-3
+
+
 def test_rebn_policy_loss_gradient_matches_a_float64_reference():
     from sao_megatron.algorithm import registry
 
