@@ -183,3 +183,30 @@ def test_documented_option_tables_are_generated_from_the_schemas():
     )
     assert len(hanoi) == 2 + len(HANOI_KEYS)
     assert "| `agent` | a string or a callable | required |" in blocks["agent"]
+
+
+def test_an_environment_without_a_schema_is_checked_against_its_parameters():
+    from sao_megatron.envs import EnvSpec, register_env
+    from sao_megatron.envs.base import _REGISTRY
+
+    @register_env("test_word")
+    def make_word(word: str = "hi"):
+        return word
+
+    @register_env("test_anything")
+    def make_anything(**options):
+        return options
+
+    try:
+        assert EnvSpec(name="test_word", options={"word": "yo"}).build() == "yo"
+        with pytest.raises(ValueError) as info:
+            TasksConfig(train=[{"name": "test_word", "options": {"wrd": "yo"}}])
+        assert str(info.value) == (
+            "tasks.train[0].options.wrd: unknown option of environment 'test_word' (not a "
+            "parameter of test_an_environment_without_a_schema_is_checked_against_its_parameters."
+            "<locals>.make_word); did you mean 'word'? allowed options: ['word']"
+        )
+        assert EnvSpec(name="test_anything", options={"x": 1}).build() == {"x": 1}  # **kwargs
+    finally:
+        _REGISTRY.pop("test_word", None)
+        _REGISTRY.pop("test_anything", None)

@@ -63,3 +63,15 @@ def test_show_with_tokenizer_and_window(tmp_path):
     assert rc == 0 and "--- tokens: [" in out
     last_context = out.split("--- last windowed context + action:\n")[1]
     assert last_context.count("<|eoa|>") == 2  # one earlier action in the window + the last one
+
+
+def test_options_prints_the_schema_table(capsys):
+    from sao_megatron.envs.base import fixed_options, options_schema
+    from sao_megatron.envs.options import options_table
+
+    assert main(["options", "chain_sum"]) == 0
+    out = capsys.readouterr().out
+    assert out == options_table(options_schema("chain_sum"), fixed_options("chain_sum")) + "\n"
+    assert "| `difficulty` |" in out and "| `dataset` |" not in out  # fixed by chain_sum
+    assert main(["options", "hanio"]) == 2
+    assert "did you mean 'hanoi'" in capsys.readouterr().err
