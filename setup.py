@@ -48,6 +48,7 @@ setup(
         "console_scripts": [
             "sao-train=sao_megatron.cli.train:main",
             "sao-convert=sao_megatron.convert.cli:main",
+            "sao-plan=sao_megatron.cli.plan:main",
         ]
     },
 )
