@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny MoE config, a 1-rank Megatron world, and a multi-rank gloo launcher."""
+"""Shared fixtures: a tiny MoE config, a 1-rank Megatron world, a multi-rank gloo launcher, and
+the vLLM engines the whole-job tests share (`engine_pool`)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,17 @@ def parallel_1rank():
     state = initialize_parallel(ParallelConfig())
     yield state
     destroy_parallel()
+
+
+@pytest.fixture(scope="session")
+def engine_pool(tmp_path_factory):
+    """vLLM engines the whole-job tests attach like remote engines (`tests.engine_pool`), one
+    set per model config and engine flags, started on first use, stopped at the session's end."""
+    from tests.engine_pool import EnginePool
+
+    pool = EnginePool(tmp_path_factory.mktemp("engine_pool"))
+    yield pool
+    pool.close()
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:

