@@ -22,6 +22,7 @@ Remote engines (clusters) are plain URLs; the same `EngineClient` talks to both.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import logging
 import os
@@ -57,6 +58,8 @@ SERVER_KEEP_ALIVE_S = 60
 CLIENT_KEEP_ALIVE_S = 2.0
 #: The connection was closed (or reset) with no reply: retried once on the same engine.
 _DROPPED = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+#: No httpx deadline: the caller enforces one that leaves out weight-update pauses.
+_NO_TIMEOUT = httpx.Timeout(None)
 
 
 class EngineError(RuntimeError):
@@ -338,6 +341,52 @@ def start_engines(processes: list[EngineProcess]) -> None:
         log.info("engine %d ready at %s after %.1f s (log %s)", p.index, p.url, waited, p.log_path)
 
 
+class PauseClock:
+    """Seconds an engine has spent paused for weight updates, as its client saw them (from the
+    moment ``/pause`` is sent until ``/resume`` returned)."""
+
+    def __init__(self) -> None:
+        self._since: float | None = None
+        self._total = 0.0
+
+    def start(self) -> None:
+        if self._since is None:
+            self._since = time.monotonic()
+
+    def stop(self) -> None:
+        if self._since is not None:
+            self._total += time.monotonic() - self._since
+            self._since = None
+
+    def seconds(self) -> float:
+        """Paused seconds so far, an ongoing pause included."""
+        ongoing = 0.0 if self._since is None else time.monotonic() - self._since
+        return self._total + ongoing
+
+
+async def wait_excluding_pauses(aw, timeout_s: float, clock: PauseClock):
+    """Await `aw` for at most `timeout_s` seconds *not counting the engine's pauses*
+    (`clock`): a request frozen by ``/pause?mode=keep`` during a weight update waits for the
+    resume instead of timing out while the engine reloads. Raises TimeoutError (and cancels
+    `aw`) past the deadline."""
+    task = asyncio.ensure_future(aw)
+    start, paused0 = time.monotonic(), clock.seconds()
+    try:
+        while True:
+            paused = clock.seconds() - paused0
+            left = start + timeout_s + paused - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"no reply within {timeout_s:g} s (not counting {paused:.1f} s paused for "
+                    "weight updates)"
+                )
+            done, _ = await asyncio.wait({task}, timeout=left)
+            if done:
+                return task.result()
+    finally:
+        task.cancel()  # a no-op once it is done
+
+
 class EngineClient:
     """Async HTTP client of one vLLM server (local or remote). Create it inside the event loop
     that uses it (httpx clients are bound to one loop).
@@ -350,7 +399,9 @@ class EngineClient:
     counts these). A refused connection (``ConnectError``: nothing listens), a timeout or a
     second drop raise EngineError at once, so a dead engine is still reported on its first
     request. Requests in flight during a weight update simply wait: ``/pause?mode=keep``
-    freezes them and ``/resume`` continues them (`sao_megatron.weight_sync.engines`).
+    freezes them and ``/resume`` continues them (`sao_megatron.weight_sync.engines`), and the
+    time paused (`pause_clock`) does not count against ``request_timeout_s``
+    (`wait_excluding_pauses`).
 
     Args:
         url: base URL, e.g. "http://127.0.0.1:8000".
@@ -363,6 +414,7 @@ class EngineClient:
         self.name = name
         self.request_timeout_s = request_timeout_s
         self.num_retried_requests = 0
+        self.pause_clock = PauseClock()
         self._http = httpx.AsyncClient(
             base_url=self.url,
             timeout=request_timeout_s,
@@ -377,7 +429,7 @@ class EngineClient:
     ) -> httpx.Response:
         """One request; a dropped connection is retried once when `retry` (class docstring).
         Raises EngineError for transport failures and timeouts."""
-        timeout = timeout or self.request_timeout_s
+        timeout = self.request_timeout_s if timeout is None else timeout
         retried = ""
         try:
             try:
@@ -455,7 +507,14 @@ class EngineClient:
         }
         if request_id is not None:
             body["request_id"] = request_id
-        r = await self._post("/inference/v1/generate", json=body)
+        try:
+            r = await wait_excluding_pauses(
+                self._post("/inference/v1/generate", timeout=_NO_TIMEOUT, json=body),
+                self.request_timeout_s,
+                self.pause_clock,
+            )
+        except TimeoutError as e:
+            raise EngineError(f"{self.name} /inference/v1/generate: {e}") from e
         gen = parse_generation(r, self.name)
         if routing_start is not None:
             await self._attach_routing(gen, r, request_id, routing_start, len(prompt_ids))
@@ -500,11 +559,20 @@ class EngineClient:
         return results[0]
 
     async def pause(self) -> None:
-        """Pause at a safe point: requests in flight are frozen (``mode=keep``), not aborted."""
-        await self._post("/pause", params={"mode": "keep"}, timeout=60.0)
+        """Pause at a safe point: requests in flight are frozen (``mode=keep``), not aborted;
+        `pause_clock` runs until `resume` returns."""
+        self.pause_clock.start()
+        try:
+            await self._post("/pause", params={"mode": "keep"}, timeout=60.0)
+        except BaseException:
+            self.pause_clock.stop()
+            raise
 
     async def resume(self) -> None:
-        await self._post("/resume", timeout=60.0)
+        try:
+            await self._post("/resume", timeout=60.0)
+        finally:
+            self.pause_clock.stop()
 
     async def reload_weights(self, path: str) -> dict:
         """Reload from a safetensors file via the worker extension; returns worker 0's report."""
@@ -586,11 +654,13 @@ __all__ = [
     "EngineProcess",
     "Generation",
     "MalformedReplyError",
+    "PauseClock",
     "free_port",
     "group_members",
     "parse_generation",
     "python_is_vllm_venv",
     "SERVER_KEEP_ALIVE_S",
+    "wait_excluding_pauses",
     "SERVED_MODEL_NAME",
     "WORKER_EXTENSION",
 ]

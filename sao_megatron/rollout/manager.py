@@ -15,16 +15,17 @@ new ones while the engines are within the staleness bound and the AReaL capacity
 finished group into the `StalenessBuffer` at once. Episodes in flight are never aborted for
 staleness (docs/ROLLOUT.md, "Bounded staleness").
 
-Faults: a request that fails with `EngineError` (connection refused/reset, HTTP 5xx, timeout after
-``request_timeout_s``, aborted) marks its engine unhealthy and fails the whole group, whose task is
-requeued (front of the queue, same task_id and seed, a new attempt; nothing of the failed attempt
-reaches the buffer, so no task is lost or counted twice). A recovery task then restarts a dead
-local engine (up to ``max_engine_restarts``; it reloads the latest published weights and version)
-or waits for a remote one to answer /health, or drops it. `EpisodeError` (environment exception,
-malformed reply) drops that group with a logged error; the run goes on — unless
-`MAX_CONSECUTIVE_FAILURES` groups in a row fail with no trajectory admitted in between: then the
-rollout stops and `get_batch` raises at once with the first error of that streak (a broken
-environment, tokenizer or model fails every episode; retrying forever only floods the log).
+Faults: a request that fails with `EngineError` (connection refused, dropped twice, HTTP 5xx,
+timeout after ``request_timeout_s`` not counting weight-update pauses, aborted) marks its engine
+unhealthy and fails the whole group, whose task is requeued (front of the queue, same task_id and
+seed, a new attempt; nothing of the failed attempt reaches the buffer, so no task is lost or counted
+twice). A recovery task then restarts a dead local engine (up to ``max_engine_restarts``; it reloads
+the latest published weights and version) or waits for a remote one to answer /health, or drops it.
+`EpisodeError` (environment exception, malformed reply) drops that group with a logged error; the
+run goes on — unless `MAX_CONSECUTIVE_FAILURES` groups in a row fail with no trajectory admitted in
+between: then the rollout stops and `get_batch` raises at once with the first error of that streak
+(a broken environment, tokenizer or model fails every episode; retrying forever only floods the
+log).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from sao_megatron.rollout.engine import (
     EngineProcess,
     Generation,
     start_engines,
+    wait_excluding_pauses,
 )
 from sao_megatron.rollout.gateway import close_shared_gateway
 from sao_megatron.rollout.router import Router
@@ -591,7 +593,7 @@ class RolloutManager:
         client = self.clients[i]
         gen: Generation | None = None
         try:
-            gen = await asyncio.wait_for(
+            gen = await wait_excluding_pauses(  # a weight update's pause is not a hang
                 sample_action(
                     client,
                     prompt,
@@ -601,7 +603,8 @@ class RolloutManager:
                     stop_ids=self.stop_token_ids,
                     routing_start=routing_start,
                 ),
-                timeout=self.config.request_timeout_s,
+                self.config.request_timeout_s,
+                client.pause_clock,
             )
         except (EngineError, TimeoutError) as e:
             self._on_engine_failure(i, e)

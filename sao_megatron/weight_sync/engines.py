@@ -7,7 +7,9 @@ CPU MoE repack, see `sao_megatron.rollout.vllm_worker_ext`) -> ``/update_weight_
 ``/weight_info`` must report the new version (engines that silently keep old weights are caught
 here). The pause (pause -> resume) is measured. Tokens generated after the resume carry the new
 version in the engine's reply; an action that straddles the update carries both versions, token
-by token.
+by token. Requests in flight wait through the pause: `EngineClient.pause` and `resume` run the
+client's `pause_clock`, which its requests (and the manager's) leave out of
+``request_timeout_s``, so a reload slower than that timeout fails nothing.
 """
 
 from __future__ import annotations

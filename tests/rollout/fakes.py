@@ -10,7 +10,7 @@ import random
 from sao_megatron.data.episode import EpisodeFormatConfig, EpisodeFormatter
 from sao_megatron.data.tokenizer import TokenizerConfig, train_sentencepiece
 from sao_megatron.envs.base import StepResult
-from sao_megatron.rollout.engine import EngineError, Generation, MalformedReplyError
+from sao_megatron.rollout.engine import EngineError, Generation, MalformedReplyError, PauseClock
 
 CORPUS = [f"count {i} steps, then say {i % 7} done; state={i * 13 % 101}" for i in range(300)]
 
@@ -71,6 +71,7 @@ class FakeEngineClient:
     def __init__(self, url: str, name: str, request_timeout_s: float = 120.0) -> None:
         self.url, self.name = url, name
         self.engine = self.registry[url]
+        self.pause_clock = PauseClock()
 
     def _check(self) -> None:
         if self.engine.mode == "dead":
@@ -112,11 +113,13 @@ class FakeEngineClient:
 
     async def pause(self) -> None:
         self._check()
+        self.pause_clock.start()
         self.engine.unpaused.clear()
 
     async def resume(self) -> None:
         self._check()
         self.engine.unpaused.set()
+        self.pause_clock.stop()
 
     async def reload_weights(self, path: str) -> dict:
         self._check()

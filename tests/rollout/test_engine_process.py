@@ -229,10 +229,10 @@ class DroppingServer:
     `num_drops` requests, closes (``how="close"``) or resets (``how="reset"``: SO_LINGER 0, an
     RST) the connection with no reply -- what a vLLM server closing an idle keep-alive
     connection does to a request that just went out on it (issue 31.6). Later requests get
-    `body` as JSON."""
+    `body` as JSON, after `delay_s`."""
 
-    def __init__(self, num_drops: int, how: str, body: dict) -> None:
-        self.num_drops, self.how = num_drops, how
+    def __init__(self, num_drops: int, how: str, body: dict, delay_s: float = 0.0) -> None:
+        self.num_drops, self.how, self.delay_s = num_drops, how, delay_s
         self.body = json.dumps(body).encode()
         self.num_requests = 0
         self.sock = socket.create_server(("127.0.0.1", 0))
@@ -271,6 +271,7 @@ class DroppingServer:
                             socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
                         )
                     return
+                time.sleep(self.delay_s)
                 conn.sendall(
                     b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
                     + f"content-length: {len(self.body)}\r\n\r\n".encode()
@@ -281,11 +282,16 @@ class DroppingServer:
         self.sock.close()
 
 
-def _generate(url: str):
-    """(Generation or the exception raised, the client's retry count) of one request."""
+def _generate(url: str, request_timeout_s: float = 120.0, pause_s: float | None = None):
+    """(Generation or the exception raised, the client's retry count) of one request; with
+    `pause_s`, the client pauses its engine's clock for that long while the request waits."""
 
     async def go():
-        client = EngineClient(url, "e0")
+        client = EngineClient(url, "e0", request_timeout_s)
+        if pause_s is not None:  # what /pause ... /resume do to the clock (no server round trip)
+            loop = asyncio.get_running_loop()
+            loop.call_later(0.2, client.pause_clock.start)
+            loop.call_later(0.2 + pause_s, client.pause_clock.stop)
         try:
             gen = await client.generate(
                 [1, 2, 3], max_tokens=3, temperature=1.0, top_p=1.0, stop_token_ids=[]
@@ -336,3 +342,17 @@ def test_the_client_drops_idle_connections_before_the_server_does(tmp_path):
     env = SleeperProcess(make_cfg(tmp_path), 0, tmp_path, tmp_path / "run").environment()
     assert int(env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"]) == SERVER_KEEP_ALIVE_S
     assert CLIENT_KEEP_ALIVE_S + 2.0 <= min(5, SERVER_KEEP_ALIVE_S)
+
+
+def test_a_weight_update_pause_does_not_count_against_the_request_timeout():
+    """A reply 4 s late with ``request_timeout_s=2``: a timeout, unless the engine was paused
+    for 3 s of it (a reload longer than the timeout), when the request waits for it."""
+    srv = DroppingServer(num_drops=0, how="close", body=good_choice(), delay_s=4.0)
+    try:
+        err, _ = _generate(srv.url, request_timeout_s=2.0)
+        gen, _ = _generate(srv.url, request_timeout_s=2.0, pause_s=3.0)
+    finally:
+        srv.close()
+    assert isinstance(err, EngineError) and "no reply within 2 s" in str(err), err
+    assert not isinstance(gen, BaseException), gen
+    assert gen.policy_versions == [3, 4, 4]

