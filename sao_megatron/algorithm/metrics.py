@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from .advantages import LOCAL_BATCH, BatchReducer
 from .importance import log_ratio
 
 
@@ -78,19 +79,34 @@ def off_policy_metrics(
     return out
 
 
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+def explained_variance(
+    values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    reducer: BatchReducer = LOCAL_BATCH,
+) -> float:
     """1 - Var[R - V] / Var[R] over masked positions (population variances), as a float.
 
     1 is a perfect value model, 0 no better than a constant, < 0 worse. NaN when Var[R] = 0 or
     the mask is empty (undefined). values, returns: [B, T] float; mask: [B, T] bool (the
     value_mask of AdvantageOutput). Source: OpenAI baselines `explained_variance`.
+
+    The batch is the union of every rank's tensors under `reducer` (`BatchReducer`; the default
+    `LOCAL_BATCH`: these tensors alone), so a DP rank passing its share with the trainer's
+    reducer gets the figure of the global batch. Two passes in float64, two reductions (as
+    `masked_whiten`): n and the sums of R and of D = R - V give the means, then the sums of
+    squared deviations from them; the ratio of those sums is Var[D] / Var[R] (the 1/n cancel).
+    A collective with a non-local `reducer`: every rank calls it.
     """
     m = mask.to(torch.bool)
-    if int(m.sum()) == 0:
+    y = torch.where(m, returns.detach().to(torch.float64), 0.0)
+    d = torch.where(m, y - values.detach().to(torch.float64), 0.0)
+    n, sum_y, sum_d = reducer.sum(torch.stack([m.sum().to(torch.float64), y.sum(), d.sum()]))
+    if float(n) == 0:  # the same on every rank: no rank skips the second reduction alone
         return float("nan")
-    v = values.detach().to(torch.float64)[m]
-    y = returns.detach().to(torch.float64)[m]
-    var_y = y.var(unbiased=False)
-    if float(var_y) == 0.0:
+    sq_y = torch.where(m, (y - sum_y / n) ** 2, 0.0).sum()
+    sq_d = torch.where(m, (d - sum_d / n) ** 2, 0.0).sum()
+    sq_y, sq_d = reducer.sum(torch.stack([sq_y, sq_d]))
+    if float(sq_y) == 0.0:
         return float("nan")
-    return float(1.0 - (y - v).var(unbiased=False) / var_y)
+    return float(1.0 - sq_d / sq_y)

@@ -48,7 +48,7 @@ from sao_megatron.trainer.checkpoint import (
 from sao_megatron.trainer.checkpoint.role_parts import merge_from_value_ranks, role_split_parts
 from sao_megatron.trainer.critic_placement import SeparateCriticStep, check_separate_job
 from sao_megatron.trainer.evaluate import evaluate
-from sao_megatron.trainer.job import JobConfig
+from sao_megatron.trainer.job import JobConfig, ValuePretrainConfig
 from sao_megatron.trainer.metrics import (
     EVAL_FILE,
     MetricsLogger,
@@ -62,6 +62,7 @@ from sao_megatron.trainer.metrics import (
 from sao_megatron.trainer.rl_step import RLStep, StepConfig
 from sao_megatron.trainer.run_state import RLRunState, TaskStream, task_index
 from sao_megatron.trainer.sft import SequenceSampler, sft_step
+from sao_megatron.trainer.value_pretrain import ValuePretrain
 from sao_megatron.weight_sync import export_hf, gather_hf_weights, publish_policy, sync_engines
 
 log = logging.getLogger("sao_megatron.trainer")
@@ -519,16 +520,19 @@ class Controller:
                 rl.rollout.stop()
 
     def _value_pretrain(self, rl: RLParts) -> None:
-        """Cold-start the critic: its update phases on rollouts of the frozen policy."""
-        job, run = self.job, rl.run
-        steps = job.value_pretrain.steps if "value_pretrain" in job.stages else 0
-        with self._logger("value_pretrain", steps, run.value_pretrain_steps) as logger:
-            while run.value_pretrain_steps < steps:
-                batch = self._next_batch(rl.rollout, run.policy_version)
-                run.value_pretrain_steps += 1  # separate: the critic trains, the policy ranks
-                m = rl.step_fn.value_step(batch)  # receive its metrics
-                m = broadcast_from_last_stage(m, self.train_parallel)
-                logger.log(run.value_pretrain_steps, m | episode_metrics(batch))
+        """Cold-start the critic (`sao_megatron.trainer.value_pretrain`)."""
+        job = self.job
+        stage = ValuePretrain(
+            job.value_pretrain if "value_pretrain" in job.stages else ValuePretrainConfig(),
+            rl.step_fn,
+            rl.run,
+            next_trajectories=lambda version: self._next_trajectories(rl.rollout, version),
+            pack=self._pack,
+            gather_metrics=lambda m: broadcast_from_last_stage(m, self.train_parallel),
+            logger=lambda total, initial: self._logger("value_pretrain", total, initial),
+            group_size=self.algorithm.group_size,
+        )
+        self.summary |= stage.run()
         self.summary["rl/value_pretrain_s"] = time.perf_counter() - self._clock
 
     def _rl_loop(self, rl: RLParts) -> dict[str, float]:
@@ -706,13 +710,19 @@ class Controller:
 
     def _next_batch(self, rollout, version):
         """The next training batch on every rank (rank 0 pulls it from the rollout)."""
+        return self._pack(self._next_trajectories(rollout, version))
+
+    def _next_trajectories(self, rollout, version) -> list:
+        """The next batch's trajectories on every rank (rank 0 pulls them from the rollout)."""
         trajs = None
         if rollout is not None:
             trajs = rollout.get_batch(version, timeout=self.job.rl.batch_timeout_s)
             # completion order is timing-dependent; a fixed order makes runs reproducible
             trajs.sort(key=lambda t: (task_index(t.task_id), t.group_index))
             self.tasks.consume(len({t.task_id for t in trajs}))
-        trajs = broadcast_from_rank0(trajs)
+        return broadcast_from_rank0(trajs)
+
+    def _pack(self, trajs):
         tp = self.parallel.cfg.tp if self.parallel.cfg.sequence_parallel else 1
         return pack_trajectories(
             trajs,

@@ -234,6 +234,16 @@ class SeparateCriticStep:
             return metrics
         return self._receive("value", -1)["metrics"]
 
+    def value_eval(self, batch: TrainBatch) -> dict[str, float]:
+        """The critic's held-out fit (`RLStep.value_eval`) on the value ranks only; the policy
+        ranks receive and return the same metrics."""
+        if not self.roles.is_policy:
+            metrics = self.step.value_eval(batch)
+            self.channel.isend({"kind": "value_eval", "index": -1, "metrics": metrics})
+            self.channel.wait(keep=1)
+            return metrics
+        return self._receive("value_eval", -1)["metrics"]
+
     def flush(self) -> None:
         """Wait until every posted send has been received (call before tearing down the
         process group or saving a checkpoint of the value model)."""

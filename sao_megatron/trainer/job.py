@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from sao_megatron.algorithm import registry
 from sao_megatron.algorithm.config import AlgorithmConfig
@@ -193,17 +194,65 @@ class ValueModelConfig:
 
 @dataclass(kw_only=True)
 class ValuePretrainConfig:
-    """Cold-start the critic on rollouts of the frozen policy before RL.
+    """Cold-start the critic on rollouts of the frozen policy before RL
+    (`sao_megatron.trainer.value_pretrain`).
+
+    Without a target the stage runs exactly ``steps`` value-only updates. With a target it stops
+    at the first held-out evaluation whose explained variance reaches it, or after ``steps``
+    updates (the step cap), whichever comes first; ``summary.json`` says which
+    (``value_pretrain/stop_reason``).
 
     Fields:
-        steps: value-only updates (0 skips the stage); each uses one rollout batch.
+        steps: value-only updates, each on one rollout batch (0 skips the stage, with or without
+            a target). With ``target_explained_variance``: the most updates (the step cap).
+        target_explained_variance: stop once the critic's explained variance on the held-out
+            rollouts, 1 - Var(R - V) / Var(R) over their value-masked tokens (R: the algorithm's
+            value targets), is at least this; in (0, 1). 0 or null: no target (no held-out set,
+            no evaluation: ``steps`` updates).
+        eval_interval: with a target, evaluate on the held-out set after every this many
+            updates, and after the last one.
+        num_heldout_trajectories: with a target, the size of the held-out set: trajectories of
+            the frozen policy drawn once, before the first update, from the same rollout as the
+            training batches (whole batches; what is left of the last one is dropped), never
+            trained on, kept in the RL checkpoint so a resumed run evaluates on the same set.
+            A multiple of the algorithm's group size.
     """
 
+    #: keys users may guess -> the fix (sao_megatron.configs)
+    MOVED_FIELDS: ClassVar[dict[str, str]] = {
+        "max_steps": "is value_pretrain.steps: the number of updates, and with "
+        "value_pretrain.target_explained_variance the step cap",
+    }
+
     steps: int = 0
+    target_explained_variance: float | None = None
+    eval_interval: int = 5
+    num_heldout_trajectories: int = 32
 
     def __post_init__(self) -> None:
         if self.steps < 0:
             raise ValueError(f"value_pretrain.steps={self.steps}: must be >= 0")
+        t = self.target_explained_variance
+        if t is not None and t != 0 and not 0 < t < 1:
+            raise ValueError(
+                f"value_pretrain.target_explained_variance={t}: use a value in (0, 1) (explained "
+                "variance is at most 1, reached only by a perfect critic), or 0/null for no target"
+            )
+        if self.eval_interval < 1:
+            raise ValueError(
+                f"value_pretrain.eval_interval={self.eval_interval}: must be >= 1 (updates "
+                "between held-out evaluations)"
+            )
+        if self.num_heldout_trajectories < 1:
+            raise ValueError(
+                f"value_pretrain.num_heldout_trajectories={self.num_heldout_trajectories}: must "
+                "be >= 1 (set value_pretrain.target_explained_variance=0 for no held-out set)"
+            )
+
+    @property
+    def has_target(self) -> bool:
+        """Whether the stage stops on held-out explained variance (a target is set)."""
+        return bool(self.target_explained_variance)
 
 
 @dataclass(kw_only=True)

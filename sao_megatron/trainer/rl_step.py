@@ -185,6 +185,25 @@ class RLStep:
         critic = self._value_model("value_fit")
         return critic.fit(self.start(batch, train_version=0))
 
+    def value_eval(self, batch: TrainBatch) -> dict[str, float]:
+        """How well the critic predicts the value targets of the global `batch`, without
+        updating it (value pre-training's held-out evaluation, `value_pretrain`).
+
+        As `value_fit` (one no-grad value forward; R the targets a value update on `batch`
+        would use), but every figure is over the whole `batch`, not this DP rank's share: the
+        sums go through the step's DP reducer (`StepContext.batch_reducer`), so every rank of
+        every layout the value step runs in (DP, TP, EP, PP: values reach every stage) returns
+        the same numbers. A collective: every rank training the critic calls it.
+
+        * ``value/explained_variance``  1 - Var[R - V] / Var[R] (`explained_variance`)
+        * ``value/mse``                 mean (V - R)^2
+        * ``value/num_tokens``          value-masked tokens of `batch`
+
+        NaN where undefined (empty mask, constant R).
+        """
+        critic = self._value_model("value_eval")
+        return critic.evaluate(self.start(batch, train_version=0))
+
     def start(
         self, batch: TrainBatch, train_version: int, max_staleness: int | None = None
     ) -> StepState:

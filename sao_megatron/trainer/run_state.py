@@ -1,13 +1,14 @@
-"""What the RL loop carries between steps and checkpoints: its counters (`RLRunState`) and the
-seeded stream of training tasks (`TaskStream`)."""
+"""What the RL loop carries between steps and checkpoints: its counters (`RLRunState`, with
+value pre-training's held-out set) and the seeded stream of training tasks (`TaskStream`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import random
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
+from sao_megatron.data.trajectory import Trajectory
 from sao_megatron.rollout.manager import Task
 from sao_megatron.trainer.job import TasksConfig
 
@@ -20,23 +21,44 @@ class RLRunState:
         step: completed policy updates (train steps).
         policy_version: version of the policy weights the engines serve (k after k updates).
         value_pretrain_steps: completed value pre-training steps.
+        value_pretrain_stop_reason: why value pre-training ended ("target_reached",
+            "step_cap", "fixed_steps"; `sao_megatron.trainer.value_pretrain`), "" while it has
+            not (or never ran).
+        value_pretrain_heldout: the held-out trajectories value pre-training evaluates the
+            critic on (drawn once, with a target set; None before that or without a target):
+            a resumed run evaluates on the same ones.
     The task cursor is the `TaskStream`'s own state (saved next to this one).
     """
+
+    #: the counters every checkpoint holds; the other fields are absent from older ones
+    REQUIRED: ClassVar[tuple[str, ...]] = ("step", "policy_version", "value_pretrain_steps")
 
     step: int = 0
     policy_version: int = 0
     value_pretrain_steps: int = 0
+    value_pretrain_stop_reason: str = ""
+    value_pretrain_heldout: list[Trajectory] | None = None
 
-    def state_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
+    def state_dict(self) -> dict[str, Any]:
+        """The fields by name (the held-out trajectories as the list itself: the checkpoint
+        pickles its common state)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore from `state_dict()`; raises ValueError on a missing or unknown key."""
+        """Restore from `state_dict()` (or an older checkpoint's, without the value
+        pre-training stop reason and held-out set: they keep their defaults); raises ValueError
+        on a missing counter or an unknown key."""
         names = {f.name for f in dataclasses.fields(self)}
-        if set(state) != names:
-            raise ValueError(f"RLRunState: checkpoint holds {sorted(state)}, want {sorted(names)}")
-        for name in names:
+        if not set(self.REQUIRED) <= set(state) <= names:
+            raise ValueError(
+                f"RLRunState: checkpoint holds {sorted(state)}, want {sorted(self.REQUIRED)} "
+                f"and optionally {sorted(names - set(self.REQUIRED))}"
+            )
+        for name in self.REQUIRED:
             setattr(self, name, int(state[name]))
+        self.value_pretrain_stop_reason = str(state.get("value_pretrain_stop_reason", ""))
+        heldout = state.get("value_pretrain_heldout")
+        self.value_pretrain_heldout = None if heldout is None else list(heldout)
 
 
 class TaskStream:

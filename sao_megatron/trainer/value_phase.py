@@ -1,5 +1,8 @@
 """The critic's part of a train step: VALUE_TARGETS, VALUE_UPDATE and the critic's fit.
 
+The fit is measured on this DP rank's share (`fit`, `RLStep.value_fit`) or over the global
+batch (`evaluate`, `RLStep.value_eval`: value pre-training's held-out explained variance).
+
 SAO's value work is K + 1 value forwards and K backwards when the targets need no values
 (`Algorithm.value_targets`, lam_value = 1): VALUE_TARGETS then runs no forward, the first
 update's forward gives V_old (detached) and the bootstrap value V_last of truncated rows.
@@ -135,6 +138,21 @@ class ValuePhases:
             "value/value_mean": float(v.mean()) if len(v) else nan,
             "value/return_mean": float(r.mean()) if len(r) else nan,
             "value/return_std": float(r.std(unbiased=False)) if len(r) else nan,
+        }
+
+    def evaluate(self, state: StepState) -> dict[str, float]:
+        """How well the critic predicts the value targets of the global batch
+        (`RLStep.value_eval`): one no-grad value forward, no update, sums over the DP group."""
+        values = self.values(state.batch)
+        _, returns, vmask = self.advantages.compute(state, values)
+        ev = explained_variance(values[0], returns, vmask, reducer=self.ctx.batch_reducer)
+        err = torch.where(vmask, values[0].double() - returns.double(), 0.0)
+        sums = self.ctx.dp_sum_dict({"n": float(vmask.sum()), "sq": float(err.pow(2).sum())})
+        n = sums["n"]
+        return {
+            "value/explained_variance": ev,
+            "value/mse": sums["sq"] / n if n else float("nan"),
+            "value/num_tokens": n,
         }
 
     # ---------------------------------------------------------------------- values

@@ -19,7 +19,13 @@ from tests.conftest import tiny_moe_kwargs
 def test_run_state_round_trip():
     run = RLRunState(step=7, policy_version=7, value_pretrain_steps=3)
     state = run.state_dict()
-    assert state == {"step": 7, "policy_version": 7, "value_pretrain_steps": 3}
+    assert state == {
+        "step": 7,
+        "policy_version": 7,
+        "value_pretrain_steps": 3,
+        "value_pretrain_stop_reason": "",
+        "value_pretrain_heldout": None,
+    }
     back = RLRunState()
     back.load_state_dict(json.loads(json.dumps(state)))
     assert back == run
