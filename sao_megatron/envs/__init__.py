@@ -1,16 +1,17 @@
 """Agent environments and tasks: the protocol, a registry, and the built-in environments.
 
 Importing this package registers the built-ins: "hanoi", "chain_sum", "basic_arithmetic",
-"reasoning_gym", "latency" (a wrapper that adds a heavy-tailed delay to each step of another
-environment), "agent" (an OpenAI-SDK agent run through the gateway) and "babyai" when minigrid is
-installed. Build one with ``make_env(name, **options)`` or
-``EnvSpec(name=..., options={...}).build()``; each declares its options as a dataclass
-(`options_schema(name)`), checked when an EnvSpec is built, i.e. when a job config loads.
+"reasoning_gym", "gem" (any GEM environment id, gem-llm), "latency" (a wrapper that adds a
+heavy-tailed delay to each step of another environment), "agent" (an OpenAI-SDK agent run
+through the gateway) and "babyai" when minigrid is installed. Build one with
+``make_env(name, **options)`` or ``EnvSpec(name=..., options={...}).build()``; each declares
+its options as a dataclass (`options_schema(name)`), checked when an EnvSpec is built, i.e. when
+a job config loads.
 """
 
 import importlib.util
 
-from sao_megatron.envs import agent, hanoi, latency, reasoning_gym_tasks  # noqa: F401  (registers)
+from sao_megatron.envs import agent, gem, hanoi, latency, reasoning_gym_tasks  # noqa: F401  (registers)
 from sao_megatron.envs.base import (
     Environment,
     EnvSpec,

@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue  # an agent function (needs agent=/task=), not a text-step environment
             if name == "reasoning_gym":
                 continue  # generic wrapper: needs dataset=...; chain_sum/basic_arithmetic show it
+            if name == "gem":
+                continue  # generic wrapper: needs env_id=... (show gem --option env_id=...)
             print(f"===== {name}")
             rc = max(rc, main(["show", name, *_forwarded(args, name)]))
         return rc
