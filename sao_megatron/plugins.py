@@ -19,6 +19,7 @@ a `PluginError` naming it and the exception, in one line.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.util
 import sys
@@ -122,3 +123,11 @@ def import_plugin(entry: str, origin: str = "plugins") -> ModuleType:
 def import_plugins(entries: Iterable[str], origin: str = "plugins") -> list[ModuleType]:
     """`import_plugin` each entry, in order; raises PluginError at the first that fails."""
     return [import_plugin(str(e), origin) for e in entries]
+
+
+def add_import_argument(parser: argparse.ArgumentParser, help: str) -> None:
+    """Add the repeatable ``--import MODULE`` flag (into ``args.imports``, a list) to `parser`:
+    the one spelling shared by ``sao-train``, ``sao-plan`` and ``rollout.serve``."""
+    parser.add_argument(
+        "--import", dest="imports", action="append", default=[], metavar="MODULE", help=help
+    )

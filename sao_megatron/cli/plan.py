@@ -18,6 +18,8 @@ import textwrap
 import warnings
 from collections.abc import Sequence
 
+from sao_megatron.plugins import add_import_argument
+
 EXAMPLE = (
     "example:\n  sao-plan examples/configs/cluster/qwen3_30b_a3b_2x8.yaml --nodes 2 "
     "--gpus-per-node 8 --gpu-memory-gib 80 --rollout-nodes 1"
@@ -62,13 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
         "unfused (Megatron local specs, CPU)",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    parser.add_argument(
-        "--import",
-        dest="imports",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="import a plug-in module before the config is read (as sao-train --import)",
+    add_import_argument(
+        parser,
+        "import a plug-in module before the config is read (as sao-train --import)",
     )
     return parser
 

@@ -29,6 +29,8 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
+from sao_megatron.plugins import add_import_argument
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "configs"
 USAGE_EXAMPLE = (
     "example:\n  sao-train examples/configs/quickstart.yaml rl.steps=5\n"
@@ -149,13 +151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
     )
-    parser.add_argument(
-        "--import",
-        dest="imports",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="import a plug-in module (dotted name or .py path) before the config is read, so "
+    add_import_argument(
+        parser,
+        "import a plug-in module (dotted name or .py path) before the config is read, so "
         "the algorithms/environments it registers can be named; repeatable; added to the "
         "config's plugins list",
     )

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import httpx
 
+from sao_megatron.plugins import add_import_argument
 from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.engine import EngineClient, EngineError, EngineProcess, start_engines
 
@@ -364,13 +365,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=os.environ.get(HOST_ENV) or socket.gethostname(),
         help=f"address to listen on and advertise (default ${HOST_ENV}, else the hostname)",
     )
-    parser.add_argument(
-        "--import",
-        dest="imports",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="a plug-in module to import before the config is read (as sao-train --import)",
+    add_import_argument(
+        parser,
+        "a plug-in module to import before the config is read (as sao-train --import)",
     )
     args = parser.parse_intermixed_args(argv)
     from sao_megatron.configs import load_config
