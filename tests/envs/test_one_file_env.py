@@ -25,6 +25,24 @@ PLUGIN = "examples/envs/guess_number.py"
 TRAIN = "tasks.train=[{name: guess_number, options: {high: 16}}]"
 
 
+@pytest.fixture(autouse=True)
+def unregister_after():
+    """Leave the process as a fresh one: the plug-in's registration would otherwise show up in
+    other tests of the same session (`registered_envs()`, `show all`)."""
+    yield
+    import sys
+
+    from sao_megatron.envs import base
+
+    base._REGISTRY.pop("guess_number", None)
+    base._SCHEMAS.pop("guess_number", None)
+    path = (ROOT / PLUGIN).resolve()
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if isinstance(file, str) and Path(file).resolve() == path:
+            del sys.modules[name]
+
+
 def test_sao_train_imports_the_file_and_checks_its_options(capsys):
     assert main([CONFIG, "--import", PLUGIN, TRAIN, "--print-config"]) == 0
     cfg = yaml.safe_load(capsys.readouterr().out)
