@@ -121,14 +121,25 @@ def _check_run(
     return recs
 
 
-def test_sao_job_1rank(tmp_path, engine_pool):
-    p = _run(tmp_path / "sao", "rl.steps=3", "value_pretrain.steps=1", pool=engine_pool)
-    recs = _check_run(tmp_path / "sao", 3, max_staleness=1)
+SAO_1RANK = ["rl.steps=3", "value_pretrain.steps=1"]
+
+
+@pytest.fixture(scope="module")
+def sao_job(tmp_path_factory, engine_pool) -> tuple[Path, subprocess.CompletedProcess]:
+    """(run folder, process) of the whole SAO job at 1 rank (tokenizer, SFT, value pre-training,
+    RL, evaluation), run once: `test_sao_job_1rank` checks it, the layout test starts from its
+    SFT checkpoint and compares with its export."""
+    run = tmp_path_factory.mktemp("sao_job") / "sao"
+    return run, _run(run, *SAO_1RANK, pool=engine_pool)
+
+
+def test_sao_job_1rank(sao_job):
+    run, p = sao_job
+    recs = _check_run(run, 3, max_staleness=1)
     assert "value/loss_1" in recs[0]  # two value updates per policy update
     assert "sao-train summary" in p.stdout
-    assert len(_records(tmp_path / "sao" / "value_pretrain" / "metrics.jsonl")) == 1
+    assert len(_records(run / "value_pretrain" / "metrics.jsonl")) == 1
     # outputs a user (and the benchmarks) rely on
-    run = tmp_path / "sao"
     assert "rl:" in (run / "config.yaml").read_text()
     assert json.loads((run / "hf_policy_final" / "config.json").read_text())["num_experts"] == 4
     assert json.loads((run / "summary.json").read_text())["rl/steps_done"] == 3
@@ -140,7 +151,7 @@ def test_sao_job_1rank(tmp_path, engine_pool):
     before = json.loads((run / "summary.json").read_text())
     engine_log = sorted((run / "rollout").rglob("*.log"))
     sizes = [f.stat().st_size for f in engine_log]
-    again = _run(run, "rl.steps=3", "value_pretrain.steps=1")
+    again = _run(run, *SAO_1RANK)
     assert "nothing to do: the RL stage finished at step 3" in again.stdout
     assert json.loads((run / "summary.json").read_text()) == before
     assert "before/eval/success_rate" in before
@@ -220,14 +231,14 @@ def test_corrupted_checkpoint_is_refused(tmp_path, tiny_sft):
 
 
 @pytest.mark.distributed
-def test_rl_loads_sft_checkpoint_in_another_layout(tmp_path, engine_pool):
-    """SFT at 1 rank, RL at TP=2+SP on 2 ranks: the policy the RL stage serves (its HF export
-    before any update) is bit-identical to the SFT weights exported at 1 rank (trained in that
-    process, not read back from the checkpoint: the save is checked too)."""
+def test_rl_loads_sft_checkpoint_in_another_layout(tmp_path, engine_pool, sao_job):
+    """SFT at 1 rank (the SAO job's), RL at TP=2+SP on 2 ranks: the policy the RL stage serves
+    (its HF export before any update) is bit-identical to the SFT weights exported at 1 rank
+    (the 1-rank job's hf_policy: trained in that process, not read back from the checkpoint, so
+    the save is checked too)."""
     from safetensors.torch import load_file
 
-    a = tmp_path / "a"
-    _run(a, "stages=[sft,rl]", "rl.steps=0", "tasks.num_eval_tasks=0", pool=engine_pool)
+    a = sao_job[0]
     b = from_sft(a, tmp_path / "b")
     _run(
         b,
