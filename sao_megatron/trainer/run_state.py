@@ -8,7 +8,7 @@ import random
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
-from sao_megatron.data.trajectory import Trajectory
+from sao_megatron.data.trajectory import ActionNode, Trajectory
 from sao_megatron.rollout.manager import Task
 from sao_megatron.trainer.job import TasksConfig
 
@@ -40,9 +40,14 @@ class RLRunState:
     value_pretrain_heldout: list[Trajectory] | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        """The fields by name (the held-out trajectories as the list itself: the checkpoint
-        pickles its common state)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """The fields by name; the held-out trajectories as plain dicts (`dataclasses.asdict`,
+        which the checkpoint's common state goes through anyway), rebuilt on load."""
+        state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.value_pretrain_heldout is not None:
+            state["value_pretrain_heldout"] = [
+                dataclasses.asdict(t) for t in self.value_pretrain_heldout
+            ]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from `state_dict()` (or an older checkpoint's, without the value
@@ -58,7 +63,12 @@ class RLRunState:
             setattr(self, name, int(state[name]))
         self.value_pretrain_stop_reason = str(state.get("value_pretrain_stop_reason", ""))
         heldout = state.get("value_pretrain_heldout")
-        self.value_pretrain_heldout = None if heldout is None else list(heldout)
+        self.value_pretrain_heldout = None if heldout is None else [_trajectory(t) for t in heldout]
+
+
+def _trajectory(d: dict[str, Any]) -> Trajectory:
+    """A `Trajectory` from its `dataclasses.asdict` form."""
+    return Trajectory(**(d | {"nodes": [ActionNode(**n) for n in d["nodes"]]}))
 
 
 class TaskStream:

@@ -7,6 +7,7 @@ round trip) evaluates on the same held-out set."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -17,6 +18,7 @@ import torch
 from sao_megatron.configs import load_config
 from sao_megatron.data.batch import pack_trajectories
 from sao_megatron.data.trajectory import ActionNode, Trajectory
+from sao_megatron.trainer.checkpoint import CommonState
 from sao_megatron.trainer.job import JobConfig, ValuePretrainConfig
 from sao_megatron.trainer.metrics import LoggingConfig, MetricsLogger
 from sao_megatron.trainer.run_state import RLRunState
@@ -269,13 +271,16 @@ def test_skipped_stage_draws_nothing(tmp_path):
 
 
 def _checkpoint_round_trip(run: RLRunState) -> RLRunState:
-    """The run state as a resumed run gets it: pickled in the checkpoint's common state
-    (torch.save, `CheckpointManager.save`), loaded with torch.load(weights_only=False)."""
+    """The run state as a resumed run gets it: in the common state the checkpoint writes
+    (`CheckpointManager.save`: torch.save of dataclasses.asdict(CommonState), which turns
+    nested dataclasses into dicts) and reads back (`CommonState.from_saved`)."""
     buf = io.BytesIO()
-    torch.save({"extra": {"rl_run_state": run.state_dict()}}, buf)
+    common = CommonState(train_step=0, extra={"rl_run_state": run.state_dict()})
+    torch.save(dataclasses.asdict(common), buf)
     buf.seek(0)
+    saved = CommonState.from_saved(torch.load(buf, weights_only=False))
     back = RLRunState()
-    back.load_state_dict(torch.load(buf, weights_only=False)["extra"]["rl_run_state"])
+    back.load_state_dict(saved.extra["rl_run_state"])
     return back
 
 
@@ -293,7 +298,8 @@ def test_resumed_run_evaluates_on_the_same_heldout_set(tmp_path):
         == STEP_CAP
     )
     resumed = _checkpoint_round_trip(run)
-    assert resumed == run and resumed.value_pretrain_heldout == run.value_pretrain_heldout
+    assert resumed == run
+    assert all(isinstance(t, Trajectory) for t in resumed.value_pretrain_heldout)
 
     held = run.value_pretrain_heldout
     later = FakeStep([0.5, 0.95])
