@@ -6,6 +6,7 @@
     python tools/plot_metrics.py runs/sao --keys loss/policy lr/policy  # one panel per key
 
     python tools/plot_metrics.py runs/quickstart/sft                  # SFT: loss, accuracy, lr
+    python tools/plot_metrics.py runs/quickstart/value_pretrain       # critic: loss, EV (held-out)
     python tools/plot_metrics.py runs/sao/rl runs/grpo/rl --x time --smooth 8
         # same wall-clock comparison: x = seconds into RL (time/rl_elapsed_s), 8-step means
 
@@ -70,10 +71,10 @@ PANELS = [
         "versions behind trainer",
         ["deviation/version_lag_mean", "deviation/version_lag_max"],
     ),
-    Panel(
+    Panel(  # value pre-training adds its held-out evaluations (every eval_interval updates)
         "Value explained variance",
         "1 - Var(R-V)/Var(R)",
-        ["value/explained_variance"],
+        ["value/explained_variance", "value_pretrain/heldout_explained_variance"],
         targets=[(1.0, "perfect")],
     ),
     Panel(

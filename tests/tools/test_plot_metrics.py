@@ -127,3 +127,32 @@ def test_time_axis_and_smoothing(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 2 and "--smooth 0" in proc.stderr
+
+
+def test_value_pretrain_run_draws_the_heldout_curve(tmp_path):
+    """A value pre-training run: the explained-variance panel draws the per-batch EV of every
+    update and the held-out EV of the evaluations (every 2nd update here) as a second series."""
+    import matplotlib.pyplot as plt
+
+    pm = _import_tool()
+    heldout = "value_pretrain/heldout_explained_variance"
+    recs = []
+    for step in range(1, 7):
+        rec = {"step": step, "loss/value": 1.0 / step, "value/explained_variance": 0.1 * step}
+        if step % 2 == 0:
+            rec[heldout] = step / 20
+        recs.append(rec)
+    run = tmp_path / "value_pretrain"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert pm.series(recs, heldout) == ([2, 4, 6], [0.1, 0.2, 0.3])
+    panel = next(p for p in pm.PANELS if heldout in p.keys)
+    fig, ax = plt.subplots()
+    pm.draw_panel(ax, panel, {"value_pretrain": recs})
+    assert ax.get_legend_handles_labels()[1] == [
+        "explained variance",
+        "heldout explained variance",
+        "perfect",
+    ]
+    plt.close(fig)
+    assert pm.plot_runs([run], tmp_path / "out").is_file()
