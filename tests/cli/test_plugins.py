@@ -18,6 +18,7 @@ from sao_megatron.cli.train import main
 from sao_megatron.configs import load_config
 from sao_megatron.plugins import import_plugin
 from sao_megatron.trainer.job import JobConfig
+from tests.tiny_job import TINY as JOB_TINY
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "examples" / "configs" / "quickstart.yaml")
@@ -224,45 +225,23 @@ def test_rebn_policy_loss_gradient_matches_a_float64_reference():
 
 
 # ------------------------------------------------------------------ the real job path
-TINY = [
-    "model.hidden_size=128",
-    "model.num_hidden_layers=2",
-    "model.num_attention_heads=2",
-    "model.num_key_value_heads=2",
-    "model.num_experts=4",
-    "model.moe_intermediate_size=64",
-    "model.max_position_embeddings=512",
-    "rollout.max_model_len=512",
-    "tokenizer.vocab_size=320",
-    "demonstrations.num_episodes=8",
-    "demonstrations.envs=[{name: chain_sum}]",
-    "tasks.train=[{name: chain_sum}]",
-    "tasks.num_eval_tasks=2",
-    "sft.steps=2",
-    "sft.batch_size=8",
-    "sft.micro_batch_size=4",
-    "rollout.trajectories_per_batch=4",
-    "rollout.max_concurrent_episodes=4",
-    "rollout.max_tokens_per_action=8",
-    "rl.micro_batch_size=2",
-    "logging.console=false",
-    "logging.tensorboard=false",
-]
+TINY = [o for o in JOB_TINY if not o.startswith("checkpoint.")]  # no per-step checkpoints
 
 
 @pytest.mark.integration
 @pytest.mark.vllm
 @pytest.mark.distributed
-def test_rebn_trains_3_steps_on_2_ranks_through_sao_train(tmp_path):
+def test_rebn_trains_3_steps_on_2_ranks_through_sao_train(tmp_path, engine_pool):
     """torchrun starts 2 ranks of `sao-train --import rebn.py`; each rank resolves the config
     (an unknown algorithm on any rank would fail the job), the rollout runs a vLLM engine."""
     if not VLLM_PY.exists():
         pytest.skip(f"{VLLM_PY} is absent: run `make vllm` (CI does)")
     run = tmp_path / "rebn"
+    args = [f"run_dir={run}", *TINY, "algorithm.name=rebn", "rl.steps=3", "stages=[sft,rl]"]
+    args += engine_pool.overrides(CONFIG, args)  # the session's shared engine for this model
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-        "-m", "sao_megatron.cli.train", CONFIG, "--import", REBN, f"run_dir={run}", *TINY,
-        "algorithm.name=rebn", "rl.steps=3", "stages=[sft,rl]",
+        "-m", "sao_megatron.cli.train", CONFIG, "--import", REBN, *args,
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
