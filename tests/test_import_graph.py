@@ -158,16 +158,20 @@ def import_each_module_alone() -> dict[str, str]:
         importlib.import_module(dep)
     ctx = mp.get_context("fork")
     failures = {}
-    for name in module_names():
-        if name.endswith((".vllm_worker_ext", ".__main__")):
-            continue  # run inside other programs (the vLLM server, ``python -m``)
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_import_alone, args=(name, child))
-        proc.start()
-        err = parent.recv() if parent.poll(120) else "timed out"
-        proc.join(30)
-        if err:
-            failures[name] = err
+    names = [n for n in module_names() if not n.endswith((".vllm_worker_ext", ".__main__"))]
+    # (run inside other programs: the vLLM server, ``python -m``); two children at a time
+    for i in range(0, len(names), 2):
+        started = []
+        for name in names[i : i + 2]:
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_import_alone, args=(name, child))
+            proc.start()
+            started.append((name, proc, parent))
+        for name, proc, parent in started:
+            err = parent.recv() if parent.poll(120) else "timed out"
+            proc.join(30)
+            if err:
+                failures[name] = err
     return failures
 
 

@@ -1,12 +1,13 @@
 """`launch_scripts/train_slurm.sbatch` on a real one-node SLURM cluster, requeue included.
 
 Starts the cluster with tools/slurm_local_setup.sh (root; installs Debian's packages) or uses
-one that answers already. One job, submitted unchanged with small overrides (SFT 10 steps,
-value pre-training 1, RL 10 with vLLM): once RL has logged two steps, the test sends the job's
-batch shell USR1 (what `--signal=B:USR1@300` sends before a time limit). The trainer must finish
-its step, save a checkpoint at that step (save_interval=100 would never save there), exit 0,
-the job requeue itself and the second start resume from that checkpoint: every SFT and RL step
-in metrics.jsonl exactly once, everything under RUN_DIR, the job COMPLETED with one restart.
+one that answers already. One job, submitted unchanged with small overrides (a 2-layer model,
+SFT 10 steps, value pre-training 1, RL 16 with vLLM): once RL has logged two steps, the test
+sends the job's batch shell USR1 (what `--signal=B:USR1@300` sends before a time limit). The
+trainer must finish its step, save a checkpoint at that step (save_interval=100 would never save
+there), exit 0, the job requeue itself and the second start resume from that checkpoint: every
+SFT and RL step in metrics.jsonl exactly once, everything under RUN_DIR, the job COMPLETED with
+one restart.
 A second job cancels during SFT (saved, not requeued); a third runs the engines in a job step of
 their own (ROLLOUT_NODES=1) and checks the trainer trained with them.
 """
@@ -28,8 +29,26 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SETUP = ROOT / "tools" / "slurm_local_setup.sh"
 SBATCH = ROOT / "launch_scripts" / "train_slurm.sbatch"
-SFT_STEPS, RL_STEPS = 10, 10
+SFT_STEPS, RL_STEPS = 10, 16  # RL long enough that the signal after step 2 lands mid-stage
+# The quickstart job shrunk (2-layer, 128-wide MoE; small batches): what these tests check is
+# the batch script, SLURM's signals and requeue and the engines' job step, not the model.
+SMALL = [
+    "model.hidden_size=128",
+    "model.num_hidden_layers=2",
+    "model.num_attention_heads=2",
+    "model.num_key_value_heads=2",
+    "model.num_experts=4",
+    "model.moe_intermediate_size=64",
+    "demonstrations.num_episodes=64",
+    "sft.batch_size=8",
+    "sft.micro_batch_size=4",
+    "rollout.trajectories_per_batch=4",
+    "rollout.max_concurrent_episodes=4",
+    "value_pretrain.num_heldout_trajectories=4",
+    "rl.micro_batch_size=2",
+]
 OVERRIDES = [
+    *SMALL,
     f"sft.steps={SFT_STEPS}",
     "value_pretrain.steps=1",
     f"rl.steps={RL_STEPS}",
@@ -241,7 +260,7 @@ def test_scancel_during_sft_saves_that_step_and_does_not_requeue(slurm_cluster, 
     env |= {"RUN_DIR": str(run_dir)}
     sub = subprocess.run(
         ["sbatch", "--parsable", "--job-name=sao-slurm-cancel", f"--output={tmp_path}/slurm-%j.out",
-         str(SBATCH), "stages=[sft]", "sft.steps=500", "checkpoint.save_interval=1000",
+         str(SBATCH), *SMALL, "stages=[sft]", "sft.steps=500", "checkpoint.save_interval=1000",
          "logging.tensorboard=false"],
         cwd=ROOT, env=env, capture_output=True, text=True, check=False,
     )  # fmt: skip
@@ -289,7 +308,8 @@ def test_rollout_engines_in_their_own_job_step(slurm_cluster, tmp_path):
     env |= {"RUN_DIR": str(run_dir), "ROLLOUT_NODES": "1"}
     sub = subprocess.run(
         ["sbatch", "--parsable", "--job-name=sao-slurm-engines",
-         f"--output={tmp_path}/slurm-%j.out", str(SBATCH), "sft.steps=3", "value_pretrain.steps=1",
+         f"--output={tmp_path}/slurm-%j.out", str(SBATCH), *SMALL, "sft.steps=3",
+         "value_pretrain.steps=1",
          f"rl.steps={rl_steps}", "tasks.num_eval_tasks=0", "checkpoint.save_interval=100",
          "rollout.startup_timeout_s=1200", "logging.tensorboard=false"],
         cwd=ROOT, env=env, capture_output=True, text=True, check=False,
