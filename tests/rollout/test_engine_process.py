@@ -345,14 +345,15 @@ def test_the_client_drops_idle_connections_before_the_server_does(tmp_path):
 
 
 def test_a_weight_update_pause_does_not_count_against_the_request_timeout():
-    """A reply 4 s late with ``request_timeout_s=2``: a timeout, unless the engine was paused
-    for 3 s of it (a reload longer than the timeout), when the request waits for it."""
-    srv = DroppingServer(num_drops=0, how="close", body=good_choice(), delay_s=4.0)
+    """A reply 6 s late with ``request_timeout_s=3``: a timeout, unless the engine was paused
+    for 5 s of it (a reload longer than the timeout), when the request waits for it (~1 s of
+    unpaused waiting: 2 s of margin for a loaded machine)."""
+    srv = DroppingServer(num_drops=0, how="close", body=good_choice(), delay_s=6.0)
     try:
-        err, _ = _generate(srv.url, request_timeout_s=2.0)
-        gen, _ = _generate(srv.url, request_timeout_s=2.0, pause_s=3.0)
+        err, _ = _generate(srv.url, request_timeout_s=3.0)
+        gen, _ = _generate(srv.url, request_timeout_s=3.0, pause_s=5.0)
     finally:
         srv.close()
-    assert isinstance(err, EngineError) and "no reply within 2 s" in str(err), err
+    assert isinstance(err, EngineError) and "no reply within 3 s" in str(err), err
     assert not isinstance(gen, BaseException), gen
     assert gen.policy_versions == [3, 4, 4]

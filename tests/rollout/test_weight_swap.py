@@ -40,7 +40,7 @@ class SlowReloadClient(FakeEngineClient):
 
 
 def test_a_reload_longer_than_the_request_timeout_times_out_no_request(tmp_path):
-    """Requests frozen by an 8 s pause with ``request_timeout_s=3`` (healthy ones take ~0.3 s)
+    """Requests frozen by an 8 s pause with ``request_timeout_s=4`` (healthy ones take ~0.3 s)
     wait for the resume: no engine failure, no requeue (before: TimeoutError, engine failed)."""
     FakeEngineClient.registry = {"http://fake0": FakeEngine("engine0", token_latency_s=0.05)}
     cfg = RolloutConfig(
@@ -50,7 +50,7 @@ def test_a_reload_longer_than_the_request_timeout_times_out_no_request(tmp_path)
         trajectories_per_batch=4,
         max_concurrent_episodes=8,
         max_staleness=1,
-        request_timeout_s=3.0,
+        request_timeout_s=4.0,
         seed=0,
     )
     tasks = (Task(task_id=f"c{i}", make_env=CountEnv, seed=i) for i in itertools.count())
