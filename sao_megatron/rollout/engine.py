@@ -290,6 +290,12 @@ class EngineProcess:
     def is_alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    @property
+    def exit_code(self) -> int | None:
+        """The supervisor's exit status once it has exited (negative: killed by that signal);
+        None while it runs or before `start`."""
+        return None if self.proc is None else self.proc.poll()
+
     def kill(self) -> None:
         """SIGKILL the whole process group at once (fault-injection in tests)."""
         if self.proc is not None:

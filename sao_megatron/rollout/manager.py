@@ -452,6 +452,7 @@ class RolloutManager:
                 self.buffer.mark_started()
                 self._inflight += g
                 asyncio.get_running_loop().create_task(self._run_group(*item))
+            self._check_processes()
             drained = exhausted and self._inflight == 0 and not self._requeued
             if not drained:
                 self._drained_since = None
@@ -618,6 +619,22 @@ class RolloutManager:
         return gen
 
     # ---------------------------------------------------------------- faults
+    def _check_processes(self) -> None:
+        """Watchdog of the local engines, run by the scheduler at least every 0.5 s: a process
+        that has exited is recovered now, not when a request next fails on it (an idle engine
+        that dies, or one whose requests all ended before it died, would otherwise stay down
+        unnoticed and the router would keep it as healthy)."""
+        for i, p in enumerate(self.processes):
+            if p is None or i in self._recovering or p.is_alive():
+                continue
+            if self.router is not None and i in self.router.healthy_indices():
+                self._on_engine_failure(
+                    i,
+                    EngineError(
+                        f"engine{i} process exited with status {p.exit_code} (log {p.log_path})"
+                    ),
+                )
+
     def _on_engine_failure(self, i: int, error: BaseException) -> None:
         if i in self._recovering or self._closing:
             return

@@ -144,6 +144,37 @@ class FakeEngineClient:
         pass
 
 
+class FakeProcess:
+    """Stands in for a local `EngineProcess` over a `FakeEngine`: `kill` makes the process exit
+    and the engine refuse connections; `start` brings both back."""
+
+    def __init__(self, url: str, engine: FakeEngine) -> None:
+        self.url, self.engine = url, engine
+        self.log_path = f"/nonexistent/{engine.name}.log"
+        self.exit_code: int | None = None
+        self.starts = 0
+
+    def is_alive(self) -> bool:
+        return self.exit_code is None
+
+    def kill(self) -> None:
+        self.exit_code = -9
+        self.engine.mode = "dead"
+
+    def stop(self) -> None:
+        if self.exit_code is None:
+            self.exit_code = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        self.exit_code = None
+        self.engine.mode = "ok"
+        self.engine.version = "default"
+
+    def wait_ready(self) -> float:
+        return 0.0
+
+
 class FixedLengthEnv(CountEnv):
     """A `CountEnv` whose every episode lasts exactly `steps` actions (seed-independent)."""
 

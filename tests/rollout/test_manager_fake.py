@@ -14,6 +14,7 @@ from tests.rollout.fakes import (
     CountEnv,
     FakeEngine,
     FakeEngineClient,
+    FakeProcess,
     make_formatter,
     short_long_tasks,
 )
@@ -103,6 +104,44 @@ def test_dead_engine_loses_no_task_and_counts_none_twice(fakes, tmp_path):
         assert m.counters["requeued_engine"] >= 1 and m.counters["engines_dropped"] == 1
         assert m.router.loads[1].healthy is False
     assert sorted(t.task_id for t in got) == sorted(f"t{i}" for i in range(n))
+
+
+def test_local_engine_that_dies_while_idle_is_restarted_at_once(fakes, tmp_path):
+    """Before the watchdog a dead engine was found only by the next request sent to it: one
+    that died with nothing in flight stayed down, marked healthy (a 900-s hang of the vLLM
+    test when no request of the killed engine was in flight)."""
+    procs = [FakeProcess(f"http://fake{i}", e) for i, e in enumerate(fakes)]
+    cfg = RolloutConfig(
+        engine_urls=[p.url for p in procs],
+        max_model_len=1024,
+        max_tokens_per_action=16,
+        trajectories_per_batch=4,
+        max_concurrent_episodes=4,
+        max_staleness=100,
+        max_engine_restarts=1,
+        request_timeout_s=60.0,
+        seed=0,
+    )
+    with RolloutManager(
+        cfg,
+        make_formatter(),
+        finite_tasks(4),
+        client_factory=FakeEngineClient,
+        processes=procs,
+        run_dir=tmp_path,
+    ) as m:
+        m.publish_weights({"w": torch.zeros(2)}, version=1)
+        m.get_batch(1, timeout=300)  # the four tasks are done: no request is in flight now
+        requests = [len(e.requests) for e in fakes]
+        procs[1].kill()
+        deadline = time.monotonic() + 60
+        while not (m.counters["engine_restarts"] and 1 in m.router.healthy_indices()):
+            assert time.monotonic() < deadline, m.stats()
+            time.sleep(0.05)
+        assert [len(e.requests) for e in fakes] == requests  # found with no request sent
+        assert procs[1].starts == 1 and m.counters["engine_failures"] == 1
+        assert fakes[1].version == "1" and m.engine_versions == [1, 1]  # resynced to v1
+        assert procs[0].starts == 0
 
 
 def test_hung_engine_times_out_and_recovers(fakes, tmp_path):

@@ -242,30 +242,39 @@ def test_weight_sync_changes_outputs_exactly_as_new_weights(engines, tiny_models
             ignore_eos=True,
         )
 
-    def wait_until_in_flight(fut) -> None:
-        """Give the engine 0.3 s to admit and start the request (1,800 tokens take several
-        seconds here); the engine's Prometheus gauges proved unreliable for this on CPU."""
-        deadline = time.monotonic() + 0.3
-        while time.monotonic() < deadline:
-            if fut.done():
-                raise AssertionError(f"the long request ended before the sync: {fut.result()}")
-            time.sleep(0.01)
-
-    # An action in flight during the sync: its tokens switch version at the pause. On an idle
-    # machine the request can finish while the slot file is still being written (no switch);
-    # then the sync is repeated, alternating the two weight sets, up to 4 times.
+    # An action in flight during the sync: its tokens switch version at the pause. How long to
+    # let it run before the sync follows this machine's decode speed: a full-length request is
+    # timed first and the sync starts at a fraction of that (on an idle fast machine 1,800 tokens
+    # take well under a second; on a loaded one, several seconds). A request that ends before the
+    # sync, or a sync that lands after the request ended (the slot file is written first), is
+    # tried again with half the wait, alternating the two weight sets, up to 6 times.
     with RolloutManager(
         cfg, fmt, [Task(task_id="c0", make_env=CountEnv, seed=0)], run_dir=tmp_path
     ) as m:
         m.get_batch(0, timeout=120)
-        for version in range(1, 5):
-            before, after = tiny_models[(version - 1) % 2], tiny_models[version % 2]
+        t0 = time.monotonic()
+        asyncio.run_coroutine_threadsafe(long_generation(m.clients[0]), m._loop).result(120)
+        wait_s = min(0.3, 0.2 * (time.monotonic() - t0))
+        version, attempts = 0, []
+        for _ in range(6):
             fut = asyncio.run_coroutine_threadsafe(long_generation(m.clients[0]), m._loop)
-            wait_until_in_flight(fut)
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline and not fut.done():
+                time.sleep(0.005)
+            if fut.done():
+                attempts.append(f"ended before the sync after {wait_s:.3f} s")
+                wait_s /= 2
+                continue
+            version += 1
+            before, after = tiny_models[(version - 1) % 2], tiny_models[version % 2]
             res = m.publish_weights(load_file(after / "model.safetensors"), version=version)
             gen = fut.result(timeout=120)
             if version in gen.policy_versions:
                 break
+            attempts.append(f"no switch inside the request after {wait_s:.3f} s")
+            wait_s /= 2
+        else:
+            raise AssertionError(f"no sync landed inside a request: {attempts}")
         versions_seen = [
             asyncio.run_coroutine_threadsafe(c.weight_version(), m._loop).result()
             for c in m.clients
