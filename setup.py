@@ -40,6 +40,7 @@ setup(
     name="sao_megatron",
     version="0.1.0",
     description="SAO: single-trajectory asynchronous RL post-training for MoE LLMs on Megatron-Core",
+    license="Apache-2.0",
     packages=find_packages(include=["sao_megatron", "sao_megatron.*"]),
     python_requires=">=3.10,<3.13",
     install_requires=INSTALL_REQUIRES,
