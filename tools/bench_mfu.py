@@ -237,9 +237,11 @@ def step_flops(
 ):
     """Model FLOPs of the SAO phases RLStep runs on ``num_rows`` x ``seq_len`` tokens.
 
-    Returns {"policy_update", "value_phase", "train_step"} in FLOPs: policy forward + backward;
-    (k_value + 1) value forwards + k_value value backwards, one forward more with
-    ``targets_forward`` (the VALUE_TARGETS forward of lam_value != 1); their sum.
+    Returns {"policy_update", "value_phase", "train_step", "value_step"} in FLOPs: policy
+    forward + backward; (k_value + 1) value forwards + k_value value backwards, one forward more
+    with ``targets_forward`` (the VALUE_TARGETS forward of lam_value != 1); their sum; and a
+    value pre-training step (`RLStep.value_step`): the value phase without the forward after
+    the updates (the ADVANTAGES phase's).
     """
     fp = sum(forward_flops(model, num_rows, seq_len, "policy").values())
     bp = sum(backward_flops(model, num_rows, seq_len, "policy", policy_frac).values())
@@ -247,7 +249,12 @@ def step_flops(
     bv = sum(backward_flops(model, num_rows, seq_len, "value", value_frac).values())
     num_fwd = k_value + (2 if targets_forward else 1)
     pol, val = fp + bp, num_fwd * fv + k_value * bv
-    return {"policy_update": pol, "value_phase": val, "train_step": pol + val}
+    return {
+        "policy_update": pol,
+        "value_phase": val,
+        "train_step": pol + val,
+        "value_step": val - fv,
+    }
 
 
 def grpo_step_flops(model, num_rows: int, seq_len: int, policy_frac) -> float:
@@ -727,7 +734,6 @@ def _trainer_section(job, args, mbs: int, res: dict) -> dict:
     # synthetic rows: none truncated, so only lam_value != 1 needs the targets forward
     targets_fwd = job.algorithm.sao.lam_value != 1.0 or args.count_targets_forward
     fl = step_flops(job.model, args.rows, args.seq_len, k, pf, vf, targets_fwd)
-    fl["value_step"] = fl["value_phase"]
     fl["grpo_step"] = grpo_step_flops(job.model, args.rows, args.seq_len, pf)
     device = parallel.platform.device.type
     dtype = job.precision.params_dtype
@@ -740,7 +746,10 @@ def _trainer_section(job, args, mbs: int, res: dict) -> dict:
             f"time/value + time/advantages: {k + 1 + targets_fwd} value fwd + {k} value bwd"
         ),
         "policy_update": "time/policy: 1 policy fwd + bwd + optimiser step",
-        "value_step": "RLStep.value_step (value pre-training step)",
+        "value_step": (
+            f"RLStep.value_step (value pre-training step): {k + targets_fwd} value fwd + "
+            f"{k} value bwd"
+        ),
         "grpo_step": "GRPO RLStep.train_step: 1 policy fwd (old log-probs) + policy update",
     }
     agg = res["aggregate"]

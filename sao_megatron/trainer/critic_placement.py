@@ -224,11 +224,11 @@ class SeparateCriticStep:
         self._on_event("policy_end", index)
         return metrics
 
-    def value_step(self, batch: TrainBatch) -> dict[str, float]:
+    def value_step(self, batch: TrainBatch, fit_after: bool = False) -> dict[str, float]:
         """Value pre-training (`RLStep.value_step`) on the value ranks only; the policy ranks
         receive and return the same metrics (the logging rank is a policy rank)."""
         if not self.roles.is_policy:
-            metrics = self.step.value_step(batch)
+            metrics = self.step.value_step(batch, fit_after=fit_after)
             self.channel.isend({"kind": "value", "index": -1, "metrics": metrics})
             self.channel.wait(keep=1)
             return metrics

@@ -157,14 +157,23 @@ class RLStep:
             self.run(phase, state)
         return self.finish(state)
 
-    def value_step(self, batch: TrainBatch) -> dict[str, float]:
-        """Value pre-training: the schedule's value phases on `batch`, the policy untouched."""
+    def value_step(self, batch: TrainBatch, fit_after: bool = False) -> dict[str, float]:
+        """Value pre-training: the schedule's value phases on `batch`, the policy untouched.
+
+        The K value updates and nothing else: ``value/explained_variance_before`` (the critic
+        on this batch before it trained on it, from the first update's own forward) is the
+        step's fit. `fit_after` adds one no-grad value forward after the updates for
+        ``value/explained_variance`` (the fit on the batch just trained on; an RL step's
+        ADVANTAGES phase runs that forward anyway, pre-training has no use for it). A schedule
+        without a value update (K = 0) always runs it: the targets need its values.
+        """
         critic = self._value_model("value_step")
         state = self.start(batch, train_version=0)
         for phase in self.algorithm.schedule:
             if phase in (Phase.VALUE_TARGETS, Phase.VALUE_UPDATE):
                 self.run(phase, state)
-        critic.after_updates(state)
+        if fit_after or state.pending_targets is not None:
+            critic.after_updates(state)
         return {k: v for k, v in state.metrics.items() if not k.startswith("batch/")}
 
     def value_fit(self, batch: TrainBatch) -> dict[str, float]:

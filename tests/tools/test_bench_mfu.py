@@ -89,6 +89,7 @@ def test_flops_match_flop_counter(tiny_moe, parallel_1rank):
     with_targets = bench.step_flops(tiny_moe, ROWS, SEQ, 2, pf, vf, targets_forward=True)
     assert with_targets["value_phase"] == 4 * fv + 2 * bv
     assert fl["train_step"] == fl["value_phase"] + fl["policy_update"]
+    assert fl["value_step"] == 2 * fv + 2 * bv  # pre-training: no forward after its updates
 
 
 def test_flops_match_with_shared_expert_and_dense_layer(tiny_moe, parallel_1rank):
@@ -144,7 +145,8 @@ def test_aggregate_is_time_weighted():
 def test_sao_phases_match_flop_counter(monkeypatch, parallel_1rank):
     """Everything RLStep.train_step / value_step multiplies, minus the advantage scan (not model
     FLOPs), equals `step_flops`: (K + 1) value forwards, K value backwards, 1 policy update
-    (lam_value = 1: no forward before the value updates)."""
+    (lam_value = 1: no forward before the value updates); a value pre-training step K value
+    forwards and backwards (no forward after its updates)."""
     from sao_megatron.configs import load_config
     from sao_megatron.trainer.job import JobConfig
     from tests.conftest import tiny_moe_kwargs
@@ -172,7 +174,7 @@ def test_sao_phases_match_flop_counter(monkeypatch, parallel_1rank):
 
     for name in ("advantages", "value_targets"):  # the GAE scans: not model FLOPs
         monkeypatch.setattr(step.algorithm, name, counted(getattr(step.algorithm, name)))
-    for phase in ("train_step", "value_phase"):
+    for phase in ("train_step", "value_step"):
         scan_flops.clear()
         with FlopCounterMode(display=False) as outer:
             if phase == "train_step":

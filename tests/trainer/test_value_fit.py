@@ -131,12 +131,42 @@ def test_explained_variance_positions_and_targets(tiny_moe, parallel_1rank):
     ref = _reference_ev(value, parallel_1rank, trajs)
     fit = step.value_fit(_pack(trajs))
     assert math.isclose(fit["value/explained_variance"], ref, rel_tol=1e-5, abs_tol=1e-6)
-    m = step.value_step(_pack(trajs))  # EV before its updates: the same critic
+    m = step.value_step(_pack(trajs), fit_after=True)  # EV before its updates: the same critic
     assert math.isclose(m["value/explained_variance_before"], ref, rel_tol=1e-5, abs_tol=1e-6)
     after = _reference_ev(value, parallel_1rank, trajs)  # the critic after its 2 updates
     assert after != ref
     # the step's EV after its updates is against the targets built with V_old's bootstrap
     assert math.isfinite(m["value/explained_variance"])
+
+
+def test_value_pretraining_step_is_its_updates_alone(tiny_moe, parallel_1rank, monkeypatch):
+    """`value_step` runs the K value updates and no value forward besides theirs (issue 30: a
+    pre-training step cost 2.3-2.8x one update with the forward after the updates); with
+    `fit_after` it runs one more, for the fit after the updates, and trains the same weights."""
+    import sao_megatron.trainer.value_phase as value_phase
+
+    (step, value), (step2, value2) = (
+        _critic(tiny_moe, parallel_1rank),
+        _critic(tiny_moe, parallel_1rank),
+    )
+    value2[0].load_state_dict(value[0].state_dict())
+    calls = []
+    real = value_phase.compute_values
+    monkeypatch.setattr(
+        value_phase, "compute_values", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    trajs = _episodes(12, seed=3)
+    m = step.value_step(_pack(trajs))
+    assert calls == [] and "value/explained_variance" not in m
+    assert math.isfinite(m["value/explained_variance_before"])
+    assert {"value/loss_0", "value/loss_1"} <= set(m)  # K = 2 updates
+    m2 = step2.value_step(_pack(trajs), fit_after=True)
+    assert calls == [1] and math.isfinite(m2["value/explained_variance"])
+    assert m2["value/explained_variance_before"] == m["value/explained_variance_before"]
+    for (name, a), (_, b) in zip(
+        value[0].named_parameters(), value2[0].named_parameters(), strict=True
+    ):
+        assert torch.equal(a, b), name
 
 
 def test_value_fit_reports_targets_and_errors(tiny_moe, parallel_1rank):
@@ -168,7 +198,7 @@ def test_critic_learns_a_learnable_target(tiny_moe, parallel_1rank):
     train, held = _pack(_episodes(32, seed=0)), _pack(_episodes(32, seed=1))
     start = step.value_fit(held)["value/explained_variance"]
     assert start < 0.05
-    history = [step.value_step(train) for _ in range(30)]
+    history = [step.value_step(train, fit_after=True) for _ in range(30)]
     for prev, nxt in zip(history, history[1:], strict=False):
         assert math.isclose(
             nxt["value/explained_variance_before"],
@@ -233,6 +263,6 @@ def test_windowed_rows_positions_targets_and_learning(tiny_moe, parallel_1rank):
     assert math.isclose(fit["value/explained_variance"], ref, rel_tol=1e-5, abs_tol=1e-6)
     step, _ = _critic(tiny_moe, parallel_1rank)
     train = _pack(_window_episodes(32, seed=0))
-    history = [step.value_step(train) for _ in range(30)]
+    history = [step.value_step(train, fit_after=True) for _ in range(30)]
     assert history[0]["value/explained_variance_before"] < 0.05
     assert history[-1]["value/explained_variance"] > 0.9
