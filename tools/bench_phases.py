@@ -12,7 +12,9 @@ observation and action tokens per node, the config's context mode). Each repeat 
 * ``policy_update``: POLICY_UPDATE (forward + backward + optimiser step);
 * ``weight_sync``: the policy gathered under HF names and written into a slot file (what the
   trainer does before the engines reload; the engines' pause is `tools/bench_rollout.py`'s);
-* ``value_pretrain_step``: one value pre-training step (`RLStep.value_step`) on the same batch.
+* ``value_pretrain_step``: one value pre-training step (`RLStep.value_step`) on the same batch,
+  and ``value_pretrain_step_fit_after`` the step as it was before issue 30 (``fit_after=True``:
+  one value forward after the updates), interleaved for the before/after.
 
 The table gives the median seconds of each phase over the repeats, the value phase (targets +
 updates + advantages) over the policy update (its FLOP floor at lam_value = 1 is (3K + 1) / 3
@@ -168,6 +170,9 @@ def time_phases(step, batch, spec, parallel, slot_dir: Path) -> dict[str, float]
     t0 = time.perf_counter()
     step.value_step(batch)
     out["value_pretrain_step"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    step.value_step(batch, fit_after=True)  # the step before issue 30: + 1 value forward
+    out["value_pretrain_step_fit_after"] = time.perf_counter() - t0
     return out
 
 
@@ -178,9 +183,9 @@ def summarise(runs: list[dict[str, float]]) -> dict[str, float]:
     med["value_phase"] = value_phase
     med["value_phase_over_policy"] = value_phase / med["policy_update"]
     # a pre-training step is the K updates: its cost over theirs (1.0 = nothing besides them)
-    med["pretrain_step_over_updates"] = med["value_pretrain_step"] / (
-        sum(med[k] for k in updates) if updates else float("nan")
-    )
+    den = sum(med[k] for k in updates) if updates else float("nan")
+    med["pretrain_step_over_updates"] = med["value_pretrain_step"] / den
+    med["pretrain_step_fit_after_over_updates"] = med["value_pretrain_step_fit_after"] / den
     return med
 
 
@@ -284,7 +289,8 @@ def row(config: str, c: dict) -> str:
         f"{config}: rows {c['rows']} x T {c['seq_len']}; targets {m.get('value_targets', 0):.3f} "
         f"updates {ups} advantages {m['advantages']:.3f} | policy {m['policy_update']:.3f} | "
         f"value phase / policy {m['value_phase_over_policy']:.2f}x | pretrain step / its updates "
-        f"{m['pretrain_step_over_updates']:.2f}x | sync {m['weight_sync']:.3f}"
+        f"{m['pretrain_step_over_updates']:.2f}x (before: "
+        f"{m['pretrain_step_fit_after_over_updates']:.2f}x) | sync {m['weight_sync']:.3f}"
     )
 
 
@@ -296,7 +302,7 @@ def markdown(res: dict) -> str:
         f"at the start, {mi['loadavg_1min_end']:.2f} (1 min) at the end",
         "",
         "| config | rows x T (tokens) | targets | value updates | advantages | policy update "
-        "| value phase / policy | pre-train step / its K updates | weight sync |",
+        "| value phase / policy | pre-train step / its K updates (before) | weight sync |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, c in res["configs"].items():
@@ -306,7 +312,8 @@ def markdown(res: dict) -> str:
             f"| {name} | {c['rows']} x {c['seq_len']} ({c['tokens']}) | "
             f"{m.get('value_targets', 0):.3f} | {ups} | {m['advantages']:.2f} | "
             f"{m['policy_update']:.2f} | {m['value_phase_over_policy']:.2f}x | "
-            f"{m['pretrain_step_over_updates']:.2f}x | {m['weight_sync']:.2f} |"
+            f"{m['pretrain_step_over_updates']:.2f}x "
+            f"({m['pretrain_step_fit_after_over_updates']:.2f}x) | {m['weight_sync']:.2f} |"
         )
     return "\n".join(lines)
 

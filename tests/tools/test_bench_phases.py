@@ -53,6 +53,7 @@ def test_phases_of_one_step_on_the_configs_rollout_shape(config, parallel_1rank,
     k = job.algorithm.sao.value_updates_per_policy_update
     names = ["value_targets"] + [f"value_update_{i + 1}" for i in range(k)]
     names += ["advantages", "policy_update", "weight_sync", "value_pretrain_step"]
+    names += ["value_pretrain_step_fit_after"]
     assert list(t) == names and all(v > 0 for v in t.values())
     assert (tmp_path / "slot1" / "model.safetensors").is_file()  # the sync wrote its slot
     med = bench.summarise([t, t])
