@@ -8,6 +8,7 @@ tasks. A task counts as solved when its episode's total reward is >= `success_th
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import math
@@ -29,6 +30,31 @@ def eval_seeds(base_seed: int, env_index: int, num_tasks: int) -> list[int]:
     return [rng.randrange(2**31) for _ in range(num_tasks)]
 
 
+def eval_labels(envs: list[EnvSpec]) -> list[str]:
+    """The metric label of each eval environment: its name, or, where several entries share a
+    name (two GEM games, one environment at two horizons), ``<name>:<env_id>`` for entries with
+    an ``env_id`` option (GEM; "/" written "_") and ``<name>[<k>]`` (the k-th entry of that
+    name, from 0) otherwise; a label that still repeats gets the ``[<k>]`` form too. Keys of
+    `evaluate`'s summary are ``eval/<label>/...``."""
+    counts = collections.Counter(e.name for e in envs)
+    labels = [
+        e.name
+        if counts[e.name] == 1
+        else f"{e.name}:{e.options['env_id'].replace('/', '_')}"
+        if isinstance(e.options.get("env_id"), str)
+        else e.name
+        for e in envs
+    ]
+    seen, out = collections.Counter(), []
+    repeated = collections.Counter(labels)
+    for e, label in zip(envs, labels, strict=True):
+        if repeated[label] > 1:
+            label = f"{e.name}[{seen[e.name]}]"
+        seen[e.name] += 1
+        out.append(label)
+    return out
+
+
 def evaluate(
     urls: list[str],
     envs: list[EnvSpec],
@@ -42,7 +68,8 @@ def evaluate(
 ) -> dict[str, float]:
     """Run `num_tasks` held-out episodes per environment on the engines at `urls`.
 
-    Returns {"eval/<env>/success_rate", its binomial standard error "eval/<env>/success_se"
+    Returns, with <env> each environment's label (`eval_labels`: its name unless two entries
+    share it), {"eval/<env>/success_rate", its binomial standard error "eval/<env>/success_se"
     (``sqrt(p (1 - p) / n)``, n = num_tasks), "eval/<env>/mean_reward", "eval/<env>/mean_turns",
     "eval/success_rate" (mean over envs), "eval/num_errors"}, plus "eval/<env>/mean_progress"
     and its standard error "eval/<env>/progress_se" for environments whose episode info
@@ -52,13 +79,14 @@ def evaluate(
     num_errors.
     """
     cfg = dataclasses.replace(rollout, seed=rollout.seed if rollout.seed is not None else base_seed)
+    labels = eval_labels(envs)
 
     async def main() -> dict[str, float]:
         clients = [EngineClient(u, f"eval{i}", cfg.request_timeout_s) for i, u in enumerate(urls)]
         sem = asyncio.Semaphore(max_concurrency)
         stop_ids = stop_token_ids(formatter, cfg)
 
-        async def one(k: int, spec: EnvSpec, seed: int):
+        async def one(k: int, spec: EnvSpec, label: str, seed: int):
             client = clients[k % len(clients)]
 
             async def generate(episode_id, prompt_ids, max_tokens, req_seed):
@@ -75,7 +103,7 @@ def evaluate(
                 env = spec.build()
                 kw = {
                     "seed": seed,
-                    "task_id": f"eval/{spec.name}:{seed}",
+                    "task_id": f"eval/{label}:{seed}",
                     "formatter": formatter,
                     "generate": generate,
                     "config": cfg,
@@ -88,14 +116,14 @@ def evaluate(
                         traj = await run_episode(env=env, **kw)
                 except EpisodeError as e:
                     log.warning("eval episode failed: %s", e)
-                    return spec.name, None
-                return spec.name, traj
+                    return label, None
+                return label, traj
 
         jobs = []
         k = 0
-        for j, spec in enumerate(envs):
+        for j, (spec, label) in enumerate(zip(envs, labels, strict=True)):
             for seed in eval_seeds(base_seed, j, num_tasks):
-                jobs.append(one(k, spec, seed))
+                jobs.append(one(k, spec, label, seed))
                 k += 1
         try:
             results = await asyncio.gather(*jobs)
@@ -105,7 +133,7 @@ def evaluate(
             from sao_megatron.rollout.gateway import close_shared_gateway
 
             await close_shared_gateway()
-        return _summarise(results, [e.name for e in envs], success_threshold)
+        return _summarise(results, labels, success_threshold)
 
     return asyncio.run(main())
 

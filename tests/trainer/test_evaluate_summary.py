@@ -3,7 +3,8 @@
 import pytest
 
 from sao_megatron.data.trajectory import ActionNode, Trajectory
-from sao_megatron.trainer.evaluate import _summarise
+from sao_megatron.envs.base import EnvSpec
+from sao_megatron.trainer.evaluate import _summarise, eval_labels
 from sao_megatron.trainer.job import RLConfig
 
 
@@ -50,3 +51,38 @@ def test_time_budget_must_be_non_negative():
     assert RLConfig(time_budget_s=30).time_budget_s == 30
     with pytest.raises(ValueError, match="rl.time_budget_s"):
         RLConfig(time_budget_s=-1)
+
+
+def test_two_entries_of_one_environment_get_their_own_metrics():
+    """Two GEM games (one `gem` environment, two env_ids) and Hanoi at two horizons were merged
+    into one `eval/<name>/...` set before the labels."""
+    envs = [
+        EnvSpec(name="gem", options={"env_id": "game:GuessTheNumber-v0-easy"}),
+        EnvSpec(name="gem", options={"env_id": "game:Mastermind-v0-easy"}),
+        EnvSpec(name="hanoi", options={"horizon": 7}),
+        EnvSpec(name="hanoi", options={"horizon": 15}),
+        EnvSpec(name="chain_sum"),
+    ]
+    labels = eval_labels(envs)
+    assert labels == [
+        "gem:game:GuessTheNumber-v0-easy",
+        "gem:game:Mastermind-v0-easy",
+        "hanoi[0]",
+        "hanoi[1]",
+        "chain_sum",
+    ]
+    results = [
+        (labels[0], _traj([1.0], {})),
+        (labels[1], _traj([0.0], {})),
+        (labels[2], _traj([1.0], {"success": True})),
+        (labels[3], _traj([0.0], {"success": False})),
+        (labels[4], _traj([1.0], {})),
+    ]
+    out = _summarise(results, labels, threshold=1.0)
+    assert out["eval/gem:game:GuessTheNumber-v0-easy/success_rate"] == 1.0
+    assert out["eval/gem:game:Mastermind-v0-easy/success_rate"] == 0.0
+    assert out["eval/hanoi[0]/success_rate"] == 1.0 and out["eval/hanoi[1]/success_rate"] == 0.0
+    assert out["eval/success_rate"] == pytest.approx(3 / 5)
+    # the same env_id twice: both fall back to the entry index
+    same = [EnvSpec(name="gem", options={"env_id": "game:Mastermind-v0-easy"})] * 2
+    assert eval_labels(same) == ["gem[0]", "gem[1]"]
