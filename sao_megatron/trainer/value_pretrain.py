@@ -5,7 +5,9 @@ The stage (`ValuePretrain.run`, on every rank; docs/TRAINING.md "Value pre-train
 
 1. with ``value_pretrain.target_explained_variance`` set, the held-out set, once, before the
    first update: the first ``num_heldout_trajectories`` trajectories the rollout hands out
-   (whole batches pulled, what is left of the last one dropped). It lives in the run state
+   (whole batches pulled, what is left of the last one dropped), or more whole batches while
+   their returns are all equal (up to `MAX_HELDOUT_FACTOR` times as many: explained variance
+   needs returns that vary). It lives in the run state
    (`RLRunState.value_pretrain_heldout`), which every RL checkpoint saves, so a resumed run
    evaluates on the same set; a training batch never holds a held-out task (filtered by task
    id, which also covers a task drawn again after a resume);
@@ -57,6 +59,26 @@ def evaluates_at(cfg: ValuePretrainConfig, steps_done: int) -> bool:
     """Whether the held-out set is evaluated after update `steps_done` (1-based): with a
     target, every ``eval_interval`` updates and at the cap."""
     return cfg.has_target and (steps_done % cfg.eval_interval == 0 or steps_done >= cfg.steps)
+
+
+#: the held-out set grows to at most this many times ``num_heldout_trajectories`` while its
+#: returns are all equal (`ValuePretrain._draw_heldout`)
+MAX_HELDOUT_FACTOR = 4
+
+
+def returns_vary(trajectories: list[Trajectory]) -> bool:
+    """Whether the reward-to-go of the trajectories' action nodes takes two values or more
+    (gamma = 1: node k's is the sum of the rewards of nodes k..end), i.e. whether an explained
+    variance on them is defined (up to bootstrap values of truncated trajectories)."""
+    seen: set[float] = set()
+    for t in trajectories:
+        togo = 0.0
+        for node in reversed(t.nodes):
+            togo += node.reward
+            seen.add(round(togo, 9))
+            if len(seen) > 1:
+                return True
+    return False
 
 
 def stop_reason(cfg: ValuePretrainConfig, steps_done: int, heldout_ev: float | None) -> str | None:
@@ -176,8 +198,13 @@ class ValuePretrain:
         return self._pack(run.value_pretrain_heldout)
 
     def _draw_heldout(self) -> list[Trajectory]:
-        """The first ``num_heldout_trajectories`` trajectories of the rollout (whole batches
-        pulled; the rest of the last batch is dropped: neither trained on nor held out)."""
+        """The held-out set: the first ``num_heldout_trajectories`` trajectories of the rollout
+        (whole batches pulled; the rest of the last batch is dropped: neither trained on nor held
+        out) when their returns vary; otherwise more whole batches, all kept, until they vary or
+        `MAX_HELDOUT_FACTOR` times as many were drawn. Explained variance is undefined on
+        returns that are all equal (a sparse 0/1 reward whose first draws all failed: the
+        quickstart's 16 held-out trajectories from a 12.5% policy did), and a stage that can
+        never evaluate its target runs to its cap; that case is logged as a warning."""
         n = self.cfg.num_heldout_trajectories
         if n % self.group_size:
             raise ValueError(
@@ -190,15 +217,34 @@ class ValuePretrain:
         while len(drawn) < n:
             drawn += self._next(self.run_state.policy_version)
             batches += 1
+        kept = drawn[:n]
+        if not returns_vary(kept):
+            kept = drawn
+            while not returns_vary(kept) and len(kept) < MAX_HELDOUT_FACTOR * n:
+                kept += self._next(self.run_state.policy_version)
+                batches += 1
         if self.rank0:
             log.info(
                 "value pre-training: held out %d trajectories of the frozen policy (%d rollout "
-                "batches, %d trajectories dropped), never trained on",
-                n,
+                "batches, %d trajectories dropped; mean return %.4g), never trained on",
+                len(kept),
                 batches,
-                len(drawn) - n,
+                max(len(drawn) - n, 0) if kept is not drawn else 0,
+                sum(t.total_reward for t in kept) / len(kept),
             )
-        return drawn[:n]
+            if not returns_vary(kept):
+                log.warning(
+                    "value pre-training: the %d held-out trajectories all have return %.4g: "
+                    "explained variance is undefined on them, so the target %g cannot be "
+                    "reached and the stage runs to its cap value_pretrain.steps=%d; raise "
+                    "value_pretrain.num_heldout_trajectories (the policy rarely succeeds) or "
+                    "give the task a denser reward",
+                    len(kept),
+                    kept[0].total_reward,
+                    self.cfg.target_explained_variance,
+                    self.cfg.steps,
+                )
+        return kept
 
     def _training_trajectories(self, held_ids: set[str]) -> list[Trajectory]:
         """The next batch's trajectories without held-out tasks (only a task drawn again after

@@ -25,10 +25,12 @@ from sao_megatron.trainer.run_state import RLRunState
 from sao_megatron.trainer.value_pretrain import (
     FIXED_STEPS,
     HELDOUT_EV,
+    MAX_HELDOUT_FACTOR,
     STEP_CAP,
     TARGET_REACHED,
     ValuePretrain,
     evaluates_at,
+    returns_vary,
     stop_reason,
 )
 
@@ -122,7 +124,7 @@ def test_without_a_target_exactly_steps_and_no_evaluation():
 # ---------------------------------------------------------------------------------- the stage
 
 
-def _trajectory(index: int) -> Trajectory:
+def _trajectory(index: int, reward=lambda i: float(i % 2)) -> Trajectory:
     g = torch.Generator().manual_seed(index)
     nodes = [
         ActionNode(
@@ -130,7 +132,7 @@ def _trajectory(index: int) -> Trajectory:
             action_token_ids=torch.randint(3, 50, (3,), generator=g).tolist(),
             behaviour_logprobs=[-1.0] * 3,
             policy_versions=[0] * 3,
-            reward=float(index % 2),
+            reward=reward(index),
         )
     ]
     return Trajectory(task_id=f"chain_sum:{1000 + index}:{index}", nodes=nodes, terminated=True)
@@ -140,16 +142,19 @@ class FakeRollout:
     """Batches of `batch_size` fresh trajectories (task ids in draw order); `replay` ids are
     handed out again first (a task drawn again after a resume)."""
 
-    def __init__(self, batch_size: int, start: int = 0, replay: list[Trajectory] = ()) -> None:
+    def __init__(
+        self, batch_size: int, start: int = 0, replay: list[Trajectory] = (), reward=None
+    ) -> None:
         self.batch_size, self.next_index, self.calls = batch_size, start, 0
         self.replay = list(replay)
+        self.reward = reward or (lambda i: float(i % 2))
 
     def __call__(self, version: int) -> list[Trajectory]:
         assert version == 0  # the frozen policy
         self.calls += 1
         out = [self.replay.pop(0) for _ in range(min(len(self.replay), self.batch_size))]
         while len(out) < self.batch_size:
-            out.append(_trajectory(self.next_index))
+            out.append(_trajectory(self.next_index, self.reward))
             self.next_index += 1
         return out
 
@@ -229,6 +234,56 @@ def test_heldout_set_drawn_once_first_and_never_trained_on(tmp_path, caplog):
     assert [r.get(HELDOUT_EV) for r in recs] == [None, 0.1, None, 0.2, None, 0.3]
     assert recs[1]["value_pretrain/heldout_mse"] == 0.25
     assert all(r["loss/value"] == 0.5 for r in recs)
+
+
+def test_heldout_set_grows_until_its_returns_vary(tmp_path, caplog):
+    """A sparse reward whose first draws all failed (the quickstart: 16 held-out trajectories of
+    a 12.5% policy, every return 0, explained variance NaN at every evaluation, the stage ran to
+    its cap): whole batches are added, all kept, until a return differs."""
+    cfg = ValuePretrainConfig(
+        steps=2, target_explained_variance=0.3, eval_interval=1, num_heldout_trajectories=4
+    )
+    step, rollout = FakeStep([0.1, 0.4]), FakeRollout(4, reward=lambda i: float(i == 9))
+    run = RLRunState()
+    with caplog.at_level("INFO", logger="sao_megatron.trainer"):
+        summary = _stage(tmp_path, cfg, step, rollout, run).run()
+    held = [t.task_id for t in run.value_pretrain_heldout]
+    assert held == [_trajectory(i).task_id for i in range(12)]  # 3 batches, the 3rd has i = 9
+    assert returns_vary(run.value_pretrain_heldout)
+    assert not returns_vary(run.value_pretrain_heldout[:8])
+    assert "held out 12 trajectories of the frozen policy (3 rollout batches, 0" in caplog.text
+    assert summary["value_pretrain/stop_reason"] == TARGET_REACHED
+    assert "WARNING" not in caplog.text
+
+
+def test_heldout_set_whose_returns_never_vary_is_said_and_capped(tmp_path, caplog):
+    cfg = ValuePretrainConfig(
+        steps=2, target_explained_variance=0.3, eval_interval=1, num_heldout_trajectories=4
+    )
+    step, rollout = FakeStep([math.nan, math.nan]), FakeRollout(4, reward=lambda i: 0.0)
+    run = RLRunState()
+    with caplog.at_level("INFO", logger="sao_megatron.trainer"):
+        summary = _stage(tmp_path, cfg, step, rollout, run).run()
+    assert len(run.value_pretrain_heldout) == MAX_HELDOUT_FACTOR * 4
+    assert rollout.calls == MAX_HELDOUT_FACTOR + 2
+    assert summary["value_pretrain/stop_reason"] == STEP_CAP
+    assert "the 16 held-out trajectories all have return 0: explained variance is undefined" in (
+        caplog.text
+    )
+    assert "raise value_pretrain.num_heldout_trajectories" in caplog.text
+
+
+def test_returns_vary_reads_the_reward_to_go_of_every_node():
+    def traj(rewards):
+        t = _trajectory(0)
+        node = t.nodes[0]
+        t.nodes = [dataclasses.replace(node, reward=r) for r in rewards]
+        return t
+
+    assert not returns_vary([traj([0.0, 0.0]), traj([0.0])])
+    assert returns_vary([traj([0.5, 0.0])])  # 0.5 then 0 to go: within one trajectory
+    assert not returns_vary([traj([0.0, 1.0]), traj([1.0])])  # 1 to go at every node
+    assert returns_vary([traj([1.0]), traj([0.0])])
 
 
 def test_stops_when_the_target_is_reached(tmp_path, caplog):
