@@ -1,63 +1,11 @@
 """Tower of Hanoi as a long-horizon agent environment: exactly H optimal moves remain at reset.
 
-Puzzles. For horizon H the environment picks n disks with 2^n - 1 >= H (the smallest such n plus
-a seeded 0..`extra_disks`) and a start state at optimal distance exactly H from the goal:
-
-* ``start: canonical`` (default), ``goal: tower``: random start/target pegs and the state after
-  k = 2^n - 1 - H moves of the standard optimal solution (on the optimal path). One puzzle per
-  (n, start peg, target peg): 6 per disk count.
-* ``start: random``, ``goal: tower``: a uniformly random legal state at distance exactly H from
-  all disks on a random target peg (`hanoi_states.sample_state_at_distance`). There are exactly
-  3 * 2^popcount(H) such puzzles per disk count (H = 50: 24; H = 500: 192), so this removes the
-  "on the optimal path" restriction but cannot give many unseen puzzles.
-* ``start: random``, ``goal: random``: a uniformly random *pair* (start, goal) of legal states
-  at distance exactly H (`hanoi_states.sample_pair_at_distance`); the goal position is shown in
-  the first observation. H = 50 with 6-7 disks: 53,568 puzzles; H = 500 with 9-10: 3,747,648.
-
-``split: train | eval`` keeps only puzzles whose peg-relabelling class (`puzzle_class`) hashes to
-that side (`eval_fraction` of the classes are "eval"), so held-out puzzles are disjoint from
-training ones by construction, not only "in practice"; ``split: all`` (default) keeps every one.
-``horizon_distribution: lognormal | pareto`` draws H per episode (median `horizon`, capped at
-`max_horizon`): heavy-tailed episode lengths.
-
-Action format (strict). One move per step, written ``X->Y`` with X and Y two different peg labels
-(default ``A``, ``B``, ``C``), e.g. ``A->C``. Leading/trailing whitespace is ignored; anything else
-(empty text, garbage, several moves or a whole solution, lower-case labels) is *malformed*
-(with ``action_format: plan``: text without ``->`` may come before the move, see below).
-Moving from an empty peg or a larger disk onto a smaller one is *illegal*.
-
-Observation. The pegs, one line each, disks listed bottom to top::
-
-    A: 5 4 1
-    B: 3 2
-    C:
-
-or, with ``observation: disks``, the peg of every disk, largest first (the same state), after
-the goal peg when the goal is a tower::
-
-    Goal C, disks: 5 A 4 A 3 B 2 B 1 A
-
-The goal peg is in every observation, next to the disks, because the plan below starts with it:
-with the goal only in the task line, 200 demonstrations taught the 4-layer quickstart model to
-copy it from the previous turn's plan instead, and its first move (no previous plan) failed
-96-99% of the time (teacher-forced, 8 held-out puzzles).
-
-Reasoning before the move (``action_format: plan``). The agent may write any text without
-``->`` before its move, e.g. a plan; only the final ``X->Y`` is acted on. The gold action
-(`gold_action`, the demonstrations) then writes, for every disk from the largest down, the disk,
-its peg and its goal peg on the optimal route, and the move: for the state above and target C::
-
-    5 A C 4 A B 3 B C 2 B A 1 A C A->C
-
-The goal of the largest disk is the target peg; a disk's goal is the goal of the disk above it in
-the list when that disk sits on its own goal, else the third peg (`hanoi_states.targets`); the
-move takes the smallest disk not on its goal there. Each goal is a function of the two tokens
-before it, so a small model can follow the recursion a token at a time (a one-token answer
-needs the whole recursion in one forward pass), and the mismatched disks of the plan give the
-remaining optimal distance (sum of 2^(d-1)), which a critic can read.
-
-The first observation also states the task, the action format (and, with ``goal: random``, the
-goal position). Later observations are the pegs only (not the history).
+The environment (`HanoiEnv`) and its episode statistics. Its parts live in their own modules,
+all re-exported here: the options (`hanoi_config.HanoiConfig`), the puzzles, move rules and
+seeded start draws (`hanoi_puzzles`: canonical or random start, tower or random goal, the
+train/eval split, heavy-tailed horizons), the text formats (`hanoi_text`: observations
+``pegs``/``disks``, the strict ``X->Y`` action, ``action_format: plan``) and the exact
+combinatorics (`hanoi_states`: distances, counts, uniform sampling, puzzle ids).
 
 Rewards. `success_reward` (1.0) when the goal is reached within `max_steps`
 (= ceil(`max_steps_factor` * H)); a malformed or illegal action gives `invalid_action_reward`
@@ -87,11 +35,21 @@ from __future__ import annotations
 
 import math
 import random
-import re
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from sao_megatron.envs.base import StepResult, options_config, register_env
+from sao_megatron.envs.hanoi_config import HanoiConfig
+from sao_megatron.envs.hanoi_puzzles import (  # noqa: F401  (re-exported: the public Hanoi API)
+    apply_move,
+    draw_puzzle,
+    is_legal,
+    legal_moves,
+    min_disks,
+    num_distinct_puzzles,
+    optimal_moves,
+    state_after_optimal_moves,
+    top_disk,
+)
 from sao_megatron.envs.hanoi_states import (  # noqa: F401  (re-exported: the public Hanoi API)
     Move,
     State,
@@ -110,219 +68,7 @@ from sao_megatron.envs.hanoi_states import (  # noqa: F401  (re-exported: the pu
     targets,
     tower,
 )
-from sao_megatron.envs.heavy_tail import HEAVY_TAILED, sample_heavy_tailed
-
-_MAX_SPLIT_TRIES = 10_000
-
-
-@dataclass(kw_only=True)
-class HanoiConfig:
-    """Options of the Tower of Hanoi environment.
-
-    Fields:
-        horizon: H, the number of optimal moves that remain at reset (>= 1); the median H when
-            `horizon_distribution` is not "fixed".
-        extra_disks: seeded 0..extra_disks disks added to the minimal n with 2^n - 1 >= H, so
-            episodes of the same H differ in disk count (>= 0).
-        max_disks: upper bound on n (2^n - 1 >= H must still be reachable); guards memory/time.
-        max_steps_factor: step budget = ceil(max_steps_factor * H) (>= 1.0).
-        success_reward: reward when solved within the budget.
-        invalid_action_reward: reward for a malformed or illegal move.
-        invalid_action_ends_episode: True: a malformed/illegal move ends the episode. False: it is
-            a no-op that costs a step (reward `invalid_action_reward`) and the episode continues.
-        peg_labels: three distinct single upper-case letters naming the pegs in text.
-        reward_mode: "success" (sparse: `success_reward` on solving) or "progress" (dense: each
-            legal move earns success_reward * (distance before - distance after) / H).
-        instructions: "full" (the rules in words, ~70 tokens) or "short" (one terse line, for
-            long-horizon runs where the first observation is in every windowed prompt).
-        start: "canonical" (a state on the standard optimal path) or "random" (a uniformly
-            random state at distance exactly H); see the module docstring.
-        goal: "tower" (all disks on one peg) or "random" (an arbitrary position at distance
-            exactly H from the start, shown in the first observation; needs start="random").
-        split: "all", "train" or "eval": keep only puzzles whose class hashes to that side.
-        eval_fraction: share of puzzle classes on the "eval" side, in (0, 1).
-        horizon_distribution: "fixed", "lognormal" (median `horizon`, sigma `horizon_shape`) or
-            "pareto" (median `horizon`, tail index `horizon_shape`): H drawn per episode.
-        horizon_shape: the lognormal sigma or the Pareto alpha (> 0).
-        max_horizon: cap on a drawn H (>= horizon); default 10 * horizon.
-        budget_end: "truncate" (running out of steps is a truncation: GAE bootstraps from V) or
-            "terminate" (it is a terminal failure with value 0: the budget is part of the task).
-        show_moves_left: add "Moves left: k" (the remaining step budget) to every observation,
-            so a critic that sees only a window of the episode can tell a lost position.
-        observation: "pegs" (one line per peg, disks bottom to top) or "disks" (the peg of
-            every disk, largest first, on one line); see the module docstring.
-        action_format: "move" (exactly ``X->Y``) or "plan" (free text without ``->`` before
-            the move; the gold action writes each disk's peg and goal first).
-    """
-
-    CONFIG_SECTION: ClassVar[str] = "hanoi"  # messages say hanoi.<field> (see envs.options)
-
-    horizon: int = 50
-    extra_disks: int = 1
-    max_disks: int = 20
-    max_steps_factor: float = 1.0
-    success_reward: float = 1.0
-    invalid_action_reward: float = 0.0
-    invalid_action_ends_episode: bool = True
-    peg_labels: str = "ABC"
-    reward_mode: str = "success"
-    instructions: str = "full"
-    start: str = "canonical"
-    goal: str = "tower"
-    split: str = "all"
-    eval_fraction: float = 0.5
-    horizon_distribution: str = "fixed"
-    horizon_shape: float = 1.0
-    max_horizon: int | None = None
-    budget_end: str = "truncate"
-    show_moves_left: bool = False
-    observation: str = "pegs"
-    action_format: str = "move"
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.horizon, int) and self.horizon >= 1):
-            raise ValueError(f"hanoi.horizon={self.horizon!r}: must be an integer >= 1")
-        if not (isinstance(self.extra_disks, int) and self.extra_disks >= 0):
-            raise ValueError(f"hanoi.extra_disks={self.extra_disks!r}: must be an integer >= 0")
-        if self.horizon_distribution not in ("fixed", *HEAVY_TAILED):
-            raise ValueError(
-                f"hanoi.horizon_distribution={self.horizon_distribution!r}: use 'fixed', "
-                "'lognormal' or 'pareto'"
-            )
-        if not (self.horizon_shape > 0):
-            raise ValueError(f"hanoi.horizon_shape={self.horizon_shape}: must be > 0")
-        if self.max_horizon is not None and not (
-            isinstance(self.max_horizon, int) and self.max_horizon >= self.horizon
-        ):
-            raise ValueError(
-                f"hanoi.max_horizon={self.max_horizon!r}: must be an integer >= hanoi.horizon "
-                f"({self.horizon}), or null for the default"
-            )
-        if min_disks(self.largest_horizon) + self.extra_disks > self.max_disks:
-            raise ValueError(
-                f"hanoi.max_disks={self.max_disks}: horizon {self.largest_horizon} needs "
-                f"{min_disks(self.largest_horizon)} disks plus extra_disks={self.extra_disks}; "
-                "raise max_disks or lower horizon/max_horizon/extra_disks"
-            )
-        if not (self.max_steps_factor >= 1.0):
-            raise ValueError(
-                f"hanoi.max_steps_factor={self.max_steps_factor}: must be >= 1.0 (a budget below H "
-                "makes the task unsolvable)"
-            )
-        if self.reward_mode not in ("success", "progress"):
-            raise ValueError(f"hanoi.reward_mode={self.reward_mode!r}: use 'success' or 'progress'")
-        if self.instructions not in ("full", "short"):
-            raise ValueError(f"hanoi.instructions={self.instructions!r}: use 'full' or 'short'")
-        if self.budget_end not in ("truncate", "terminate"):
-            raise ValueError(f"hanoi.budget_end={self.budget_end!r}: use 'truncate' or 'terminate'")
-        if self.observation not in ("pegs", "disks"):
-            raise ValueError(f"hanoi.observation={self.observation!r}: use 'pegs' or 'disks'")
-        if self.action_format not in ("move", "plan"):
-            raise ValueError(f"hanoi.action_format={self.action_format!r}: use 'move' or 'plan'")
-        if self.start not in ("canonical", "random"):
-            raise ValueError(f"hanoi.start={self.start!r}: use 'canonical' or 'random'")
-        if self.goal not in ("tower", "random"):
-            raise ValueError(f"hanoi.goal={self.goal!r}: use 'tower' or 'random'")
-        if self.goal == "random" and self.start != "random":
-            raise ValueError("hanoi.goal='random' needs hanoi.start='random'")
-        if self.split not in ("all", "train", "eval"):
-            raise ValueError(f"hanoi.split={self.split!r}: use 'all', 'train' or 'eval'")
-        if not (0.0 < self.eval_fraction < 1.0):
-            raise ValueError(f"hanoi.eval_fraction={self.eval_fraction}: must be in (0, 1)")
-        labels = self.peg_labels
-        if not (
-            len(labels) == 3 and len(set(labels)) == 3 and labels.isalpha() and labels.isupper()
-        ):
-            raise ValueError(
-                f"hanoi.peg_labels={labels!r}: give three distinct upper-case letters, e.g. 'ABC'"
-            )
-
-    @property
-    def largest_horizon(self) -> int:
-        """The largest H an episode can have: `horizon` when fixed, else `max_horizon`
-        (default 10 * horizon)."""
-        if self.horizon_distribution == "fixed":
-            return self.horizon
-        return self.max_horizon if self.max_horizon is not None else 10 * self.horizon
-
-
-def min_disks(horizon: int) -> int:
-    """Smallest n with 2^n - 1 >= horizon."""
-    return max(1, math.ceil(math.log2(horizon + 1)))
-
-
-def state_after_optimal_moves(num_disks: int, k: int, src: int, dst: int) -> State:
-    """Disk positions after the first k moves of the optimal solution moving n disks src -> dst.
-
-    The optimal solution of n disks is: n-1 disks src -> aux (2^(n-1) - 1 moves), disk n
-    src -> dst (1 move), n-1 disks aux -> dst. So after k moves disk n is still on src iff
-    k < 2^(n-1); recurse on n-1 with the remaining k. O(n). Raises ValueError if k is out of range.
-    """
-    if not 0 <= k <= 2**num_disks - 1:
-        raise ValueError(f"k={k} outside [0, 2^{num_disks} - 1]")
-    pos = [0] * num_disks
-    aux = 3 - src - dst
-    for d in range(num_disks, 0, -1):
-        half = 2 ** (d - 1)
-        if k < half:
-            pos[d - 1] = src
-            src, dst, aux = src, aux, dst
-        else:
-            pos[d - 1] = dst
-            k -= half
-            src, dst, aux = aux, dst, src
-    return tuple(pos)
-
-
-def optimal_moves(num_disks: int, src: int, dst: int) -> list[Move]:
-    """The standard optimal move list (2^n - 1 moves) for n disks from src to dst."""
-    out: list[Move] = []
-
-    def rec(n: int, s: int, t: int, a: int) -> None:
-        if n == 0:
-            return
-        rec(n - 1, s, a, t)
-        out.append((s, t))
-        rec(n - 1, a, t, s)
-
-    rec(num_disks, src, dst, 3 - src - dst)
-    return out
-
-
-def top_disk(state: State, peg: int) -> int | None:
-    """Smallest disk on `peg` (the one on top), or None for an empty peg."""
-    for d, p in enumerate(state, start=1):
-        if p == peg:
-            return d
-    return None
-
-
-def is_legal(state: State, move: Move) -> bool:
-    """A move is legal if its source peg is non-empty and the disk is smaller than the top of
-    the destination peg (or the destination is empty)."""
-    src, dst = move
-    if src == dst:
-        return False
-    d = top_disk(state, src)
-    if d is None:
-        return False
-    top = top_disk(state, dst)
-    return top is None or d < top
-
-
-def apply_move(state: State, move: Move) -> State:
-    """State after a legal move (asserted)."""
-    assert is_legal(state, move), (state, move)
-    d = top_disk(state, move[0])
-    assert d is not None
-    new = list(state)
-    new[d - 1] = move[1]
-    return tuple(new)
-
-
-def legal_moves(state: State) -> list[Move]:
-    """All legal moves, in a fixed order."""
-    return [(s, t) for s in range(3) for t in range(3) if s != t and is_legal(state, (s, t))]
+from sao_megatron.envs.hanoi_text import HanoiText
 
 
 @register_env("hanoi", options=HanoiConfig)
@@ -340,12 +86,7 @@ class HanoiEnv:
         self.config = config or options_config("hanoi", options)
         self.horizon = self.config.horizon
         self.max_steps = self._budget(self.config.largest_horizon)  # the largest; reset sets it
-        self._labels = self.config.peg_labels
-        move = rf"([{self._labels}])->([{self._labels}])"
-        if self.config.action_format == "plan":  # any text without "->", then the move
-            self._move_re = re.compile(rf"\s*(?:(?:(?!->).)*?\s)?{move}\s*", re.DOTALL)
-        else:
-            self._move_re = re.compile(rf"\s*{move}\s*")
+        self.text = HanoiText(self.config)
         self.state: State | None = None
         self.done = True
 
@@ -356,40 +97,7 @@ class HanoiEnv:
     def draw_puzzle(self, seed: int) -> tuple[int, State, State, int | None, int | None]:
         """(H, start, goal, start peg, target peg) of episode `seed` without starting it (the
         pegs are None where the mode has none). Deterministic in `seed`."""
-        cfg = self.config
-        horizon = cfg.horizon
-        if cfg.horizon_distribution != "fixed":
-            cap = cfg.largest_horizon
-            h_rng = random.Random(f"hanoi-horizon:{seed}")
-            x = sample_heavy_tailed(
-                h_rng, cfg.horizon_distribution, cfg.horizon, cfg.horizon_shape, cap
-            )
-            horizon = max(1, min(round(x), cap))
-        rng = random.Random(f"hanoi:{seed}")
-        for _ in range(_MAX_SPLIT_TRIES):
-            n = min_disks(horizon) + rng.randint(0, cfg.extra_disks)
-            src: int | None = None
-            dst: int | None = None
-            if cfg.start == "canonical":
-                src, dst = rng.sample(range(3), 2)
-                start = state_after_optimal_moves(n, 2**n - 1 - horizon, src, dst)
-                goal = tower(n, dst)
-            elif cfg.goal == "tower":
-                dst = rng.randrange(3)
-                start = sample_state_at_distance(n, horizon, dst, rng)
-                goal = tower(n, dst)
-            else:
-                start, goal = sample_pair_at_distance(n, horizon, rng)
-            if cfg.split == "all" or split_of(puzzle_class(start, goal), cfg.eval_fraction) == (
-                cfg.split
-            ):
-                return horizon, start, goal, src, dst
-        raise ValueError(
-            f"hanoi.split={cfg.split!r}: no puzzle of horizon {horizon} in {_MAX_SPLIT_TRIES} "
-            f"draws falls on that side (eval_fraction={cfg.eval_fraction}); this mode has too "
-            "few puzzle classes to split (see num_distinct_puzzles): use start='random', "
-            "goal='random'"
-        )
+        return draw_puzzle(self.config, seed)
 
     def reset(self, seed: int) -> str:
         """Start the episode for `seed`; returns the instructions plus the pegs."""
@@ -410,31 +118,8 @@ class HanoiEnv:
         self.num_steps = 0
         self.counts = dict.fromkeys(_COUNT_KEYS.values(), 0)
         self.done = False
-        lab = self._labels
-        if cfg.goal == "random":
-            if cfg.instructions == "short":
-                head = f"Hanoi {self.num_disks} disks, reach the goal, one move X->Y per turn."
-            else:
-                head = (
-                    f"Tower of Hanoi: {self.num_disks} disks on pegs {lab[0]}, {lab[1]}, "
-                    f"{lab[2]}. Rearrange them into the goal position. Disks are numbered by size "
-                    "(1 is the smallest) and listed bottom to top. Move one top disk per turn; "
-                    "never put a disk on a smaller one. Reply with exactly one move, e.g. "
-                    f"{lab[0]}->{lab[2]}."
-                )
-            return f"{head}\nGoal:\n{self.render(self.goal)}\nNow:\n{self._observation()}"
-        plan = cfg.action_format == "plan"
-        if cfg.instructions == "short":
-            return (
-                f"Hanoi {self.num_disks} disks, goal peg {lab[self.target_peg]}, "
-                f"{'plan then ' if plan else ''}one move X->Y per turn.\n" + self._observation()
-            )
-        return (
-            f"Tower of Hanoi: {self.num_disks} disks on pegs {lab[0]}, {lab[1]}, {lab[2]}. "
-            f"Move all disks to peg {lab[self.target_peg]}. Disks are numbered by size (1 is the "
-            "smallest) and listed bottom to top. Move one top disk per turn; never put a disk on "
-            f"a smaller one. Reply with {'a plan, then ' if plan else ''}exactly one move, e.g. "
-            f"{lab[0]}->{lab[2]}.\n" + self._observation()
+        return self.text.first_observation(
+            self.num_disks, self.target_peg, self.goal, self._observation()
         )
 
     def render(self, state: State | None = None) -> str:
@@ -443,21 +128,11 @@ class HanoiEnv:
         (e.g. 'Disks: 5 A 4 A 3 B 2 B 1 A')."""
         state = self.state if state is None else state
         assert state is not None, "call reset() first"
-        if self.config.observation == "disks":
-            n = len(state)
-            return "Disks:" + "".join(f" {d} {self._labels[state[d - 1]]}" for d in range(n, 0, -1))
-        lines = []
-        for p in range(3):
-            disks = [d for d in range(len(state), 0, -1) if state[d - 1] == p]
-            lines.append(f"{self._labels[p]}:" + "".join(f" {d}" for d in disks))
-        return "\n".join(lines)
+        return self.text.render(state)
 
     def parse_action(self, action: str) -> Move | None:
         """The move named by `action` in the strict 'X->Y' format, or None if malformed."""
-        m = self._move_re.fullmatch(action)
-        if m is None or m.group(1) == m.group(2):
-            return None
-        return (self._labels.index(m.group(1)), self._labels.index(m.group(2)))
+        return self.text.parse_action(action)
 
     def step(self, action: str) -> StepResult:
         """Apply one move. Never raises on bad text; raises RuntimeError if the episode is over."""
@@ -504,14 +179,10 @@ class HanoiEnv:
         return StepResult(observation="", reward=reward, done=end, truncated=not end, info=info)
 
     def _observation(self) -> str:
-        """The pegs (with ``observation: disks`` and a tower goal, after the goal peg:
-        'Goal C, disks: ...'), plus the remaining budget with `show_moves_left`."""
-        state = self.render()
-        if self.config.observation == "disks" and self.config.goal == "tower":
-            state = f"Goal {self._labels[self.target_peg]}, d" + state[1:]
-        if self.config.show_moves_left:
-            return f"Moves left: {self.max_steps - self.num_steps}\n" + state
-        return state
+        """The current state as `hanoi_text.HanoiText.observation` writes it."""
+        assert self.state is not None, "call reset() first"
+        moves_left = self.max_steps - self.num_steps
+        return self.text.observation(self.state, self.target_peg, moves_left)
 
     def _step_info(self, kind: str) -> dict[str, Any]:
         """Facts of this step: its kind, the running counts, distance/progress and identity."""
@@ -529,7 +200,7 @@ class HanoiEnv:
     # ------------------------------------------------------------------ experts and checks
     def format_move(self, move: Move) -> str:
         """Action text of a move, e.g. (0, 2) -> 'A->C'."""
-        return f"{self._labels[move[0]]}->{self._labels[move[1]]}"
+        return self.text.format_move(move)
 
     def _gold(self) -> Move | None:
         assert self.state is not None
@@ -542,20 +213,12 @@ class HanoiEnv:
         every disk d from the largest down, 'd peg goal' (`hanoi_states.targets`), e.g.
         '3 B C 2 A A 1 A A'."""
         assert self.state is not None, "call reset() first"
-        if self.config.goal != "tower":
-            raise ValueError(
-                "hanoi.action_format='plan' writes the goals of the route to a tower; with "
-                "hanoi.goal='random' use action_format='move'"
-            )
-        t = targets(self.state, self.target_peg)
-        lab, n = self._labels, len(self.state)
-        return " ".join(f"{d} {lab[self.state[d - 1]]} {lab[t[d - 1]]}" for d in range(n, 0, -1))
+        return self.text.plan(self.state, self.target_peg)
 
     def _action_text(self, move: Move) -> str:
         """The action for `move`: the move, after the gold plan with ``action_format: plan``."""
-        if self.config.action_format == "plan":
-            return f"{self.plan_text()} {self.format_move(move)}"
-        return self.format_move(move)
+        assert self.state is not None
+        return self.text.action(self.state, self.target_peg, move)
 
     def gold_action(self) -> str:
         """The first move of an optimal solution from the current state (on or off path),
@@ -633,32 +296,6 @@ _COUNT_KEYS = {
     "illegal": "num_illegal_moves",
     "malformed": "num_malformed_actions",
 }
-
-
-# ---------------------------------------------------------------------- puzzle counts, overlap
-def num_distinct_puzzles(config: HanoiConfig) -> dict[str, int]:
-    """Exact numbers of distinct start puzzles (start, goal) a config can produce with
-    split='all': {"puzzles": ..., "classes": ...} (classes: up to renaming the pegs; every class
-    of a puzzle with H >= 1 has exactly 6 members, see tests). Needs a fixed horizon."""
-    if config.horizon_distribution != "fixed":
-        raise ValueError("num_distinct_puzzles: needs hanoi.horizon_distribution='fixed'")
-    h = config.horizon
-    disks = range(min_disks(h), min_disks(h) + config.extra_disks + 1)
-    if config.start == "canonical":
-        ids, classes = set(), set()
-        for n in disks:
-            for src in range(3):
-                for dst in range(3):
-                    if src != dst:
-                        s, g = state_after_optimal_moves(n, 2**n - 1 - h, src, dst), tower(n, dst)
-                        ids.add(puzzle_id(s, g))
-                        classes.add(puzzle_class(s, g))
-        return {"puzzles": len(ids), "classes": len(classes)}
-    if config.goal == "tower":
-        total = sum(3 * num_states_at_distance(n, h) for n in disks)
-    else:
-        total = sum(num_pairs_at_distance(n, h) for n in disks)
-    return {"puzzles": total, "classes": total // 6}
 
 
 def puzzle_overlap(
