@@ -50,6 +50,7 @@ test-fast: install smollm2
 lint: install
 	$(VENV)/bin/ruff check sao_megatron tests tools
 	$(VENV)/bin/ruff format --check sao_megatron tests tools
+	$(VENV)/bin/lint-imports --no-logo   # the package layers of pyproject.toml
 
 # SmolLM2-135M-Instruct de-quantised to an HF folder (fp32 safetensors + tokenizer + chat
 # template) under $(SMOLLM2_DIR); idempotent (reuses a folder made from the same GGUF).

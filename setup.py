@@ -33,7 +33,7 @@ INSTALL_REQUIRES = [
 EXTRAS = {
     # GPU-only: need CUDA at build time; the CPU path never imports them.
     "gpu": ["transformer-engine[pytorch]>=2.4"],
-    "dev": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6"],
+    "dev": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "import-linter>=2.1"],
 }
 
 setup(

@@ -191,3 +191,34 @@ def test_every_module_imports_first_in_a_fresh_process():
     assert out.returncode == 0, out.stderr[-3000:]
     failures = json.loads(out.stdout.strip().splitlines()[-1])
     assert failures == {}, "\n".join(f"{k}:\n{v}" for k, v in failures.items())
+
+
+def _lint_imports(config: Path) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).with_name("lint-imports")
+    return subprocess.run(
+        [str(exe), str(config), "--no-cache", "--no-logo"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_package_layers_hold():
+    """pyproject.toml's import-linter contract: no module imports from a layer above its own
+    (docs/ARCHITECTURE.md, "Layers"), beyond the listed known edges."""
+    p = _lint_imports(ROOT / "pyproject.toml")
+    assert p.returncode == 0 and "Contracts: 1 kept, 0 broken." in p.stdout, p.stdout + p.stderr
+
+
+def test_package_layers_catch_an_upward_import(tmp_path):
+    """The same contract without one of its ignored edges is broken, naming that import."""
+    text = (ROOT / "pyproject.toml").read_text()
+    edge = '"sao_megatron.rollout.serve -> sao_megatron.trainer.job",'
+    assert edge in text
+    cfg = tmp_path / "pyproject.toml"
+    cfg.write_text(text.replace(edge, ""))
+    p = _lint_imports(cfg)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "package layers BROKEN" in p.stdout
+    assert "sao_megatron.rollout.serve -> sao_megatron.trainer.job" in p.stdout
