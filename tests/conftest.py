@@ -11,23 +11,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from sao_megatron.models.tiny import TINY_MOE_FIELDS
 from sao_megatron.net import free_port
 
 
 def tiny_moe_kwargs() -> dict:
-    """Fields of a tiny Qwen3-MoE-shaped model (~80k params) used by the Megatron tests."""
-    return dict(
-        vocab_size=128,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        max_position_embeddings=64,
-    )
+    """Fields of a tiny Qwen3-MoE-shaped model (~80k params) used by the Megatron tests (a copy
+    of `sao_megatron.models.tiny.TINY_MOE_FIELDS`)."""
+    return dict(TINY_MOE_FIELDS)
 
 
 @pytest.fixture

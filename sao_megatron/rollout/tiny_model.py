@@ -4,9 +4,8 @@ Run it with the vLLM virtualenv's Python (it has transformers), from the reposit
 
     PYTHONPATH=. .venv-vllm/bin/python -m sao_megatron.rollout.tiny_model OUT_DIR [--seed 0]
 
-The shape suits both Megatron and vLLM's CPU backend (docs/ARCHITECTURE.md): head_dim 64 (a head
-size the CPU attention kernel takes), 8 experts top-2, MoE ffn 128 (a multiple of 32, so the CPU
-MoE kernel packs the experts without padding). About 3M parameters. No tokenizer files are
+The shape (`sao_megatron.models.tiny.HF_TINY_MOE_FIELDS`) suits both Megatron and vLLM's CPU
+backend (docs/ARCHITECTURE.md). About 3M parameters. No tokenizer files are
 written: the rollout is token-in/token-out and the server runs with ``--skip-tokenizer-init``.
 ``--vocab-size`` must equal the tokenizer's (default 300: the smallest sentencepiece vocabulary
 `sao_megatron.data.tokenizer` trains, as the tests and ``tools/bench_rollout.py`` use).
@@ -20,24 +19,9 @@ import json
 from pathlib import Path
 
 from sao_megatron.models.config import MoEModelConfig
+from sao_megatron.models.tiny import HF_TINY_MOE_FIELDS
 
-TINY_MOE = MoEModelConfig(
-    vocab_size=300,
-    hidden_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    intermediate_size=256,
-    moe_intermediate_size=128,
-    num_experts=8,
-    num_experts_per_tok=2,
-    norm_topk_prob=True,
-    max_position_embeddings=4096,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
+TINY_MOE = MoEModelConfig(**HF_TINY_MOE_FIELDS)
 """The tiny model's shape (its HF config is ``TINY_MOE.to_hf_config(**SPECIAL_IDS)``)."""
 SPECIAL_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 

@@ -21,6 +21,7 @@ from sao_megatron.envs.base import EnvSpec
 from sao_megatron.envs.options import config_from_options
 from sao_megatron.models.config import MoEModelConfig
 from sao_megatron.models.freeze import VALUE_DEFAULT_FREEZE_PATTERNS
+from sao_megatron.models.tiny import JOB_DEFAULT_MOE_FIELDS
 from sao_megatron.optim.config import OptimizerConfig, PrecisionConfig
 from sao_megatron.parallel.config import ParallelConfig
 from sao_megatron.rollout.config import RolloutConfig
@@ -35,18 +36,7 @@ HF_INIT_FREE_FIELDS = ("moe_token_dispatcher_type", "router_aux_loss_coef", "ini
 
 
 def _default_model() -> MoEModelConfig:
-    return MoEModelConfig(
-        vocab_size=1024,
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=256,
-        max_position_embeddings=2048,
-    )
+    return MoEModelConfig(**JOB_DEFAULT_MOE_FIELDS)
 
 
 def model_from_hf(user: MoEModelConfig, hf_dir: str) -> MoEModelConfig:
