@@ -1,6 +1,5 @@
 """Tower of Hanoi text: the observation and action formats, the gold plan and the task line.
 
-
 Action format (strict). One move per step, written ``X->Y`` with X and Y two different peg labels
 (default ``A``, ``B``, ``C``), e.g. ``A->C``. Leading/trailing whitespace is ignored; anything else
 (empty text, garbage, several moves or a whole solution, lower-case labels) is *malformed*
