@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from tests.conftest import tiny_moe_kwargs
+from tests.train_states import build_train_states
 
 NUM_STEPS = 3
 #: metrics that depend on wall-clock or are counts the restructure may rename: not compared
@@ -94,29 +95,8 @@ def _set_behaviour(policy_model, parallel, trajs, seed: int):
 
 def _build(parallel, algorithm: str):
     """Policy (and, for SAO, value) train states in fp32; the value initialised from the policy
-    and frozen by the default patterns."""
-    from sao_megatron.models import (
-        VALUE_DEFAULT_FREEZE_PATTERNS,
-        MoEModelConfig,
-        apply_freeze,
-        build_policy,
-        build_value_model,
-        init_value_from_policy,
-    )
-    from sao_megatron.optim.builder import build_optimizer
-    from sao_megatron.optim.config import OptimizerConfig, PrecisionConfig
-
-    cfg, prec = MoEModelConfig(**tiny_moe_kwargs()), PrecisionConfig()
-    policy = build_policy(cfg, parallel, prec)
-    p_state = build_optimizer(policy, parallel, OptimizerConfig(lr=1e-3, warmup_steps=2), prec)
-    v_state = None
-    if algorithm == "sao":
-        value = build_value_model(cfg, parallel, prec)
-        for v, p in zip(value, policy, strict=True):
-            init_value_from_policy(v, p.state_dict())
-        apply_freeze(value, VALUE_DEFAULT_FREEZE_PATTERNS, group=parallel.pg_collection.pp)
-        v_state = build_optimizer(value, parallel, OptimizerConfig(lr=5e-3, warmup_steps=2), prec)
-    return p_state, v_state
+    and frozen by the default patterns; LR warm-up over 2 steps."""
+    return build_train_states(parallel, with_value=algorithm == "sao", warmup_steps=2)
 
 
 def _step_fn(algorithm: str, parallel, p_state, v_state):

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from tests.conftest import tiny_moe_kwargs
 from tests.golden.golden_worker import _set_behaviour, _trajectories
+from tests.train_states import build_train_states
 
 NUM_STEPS = 3
 GATE_TAG = 99  # the test's own point-to-point messages (the step's exchange uses another tag)
@@ -39,28 +40,7 @@ def step_config():
 def build(parallel, role: str | None):
     """(policy TrainState, value TrainState); role "policy" / "value" leaves the other None (its
     model is still built, so the seeded init and the value's trunk are the colocated ones)."""
-    from sao_megatron.models import (
-        VALUE_DEFAULT_FREEZE_PATTERNS,
-        MoEModelConfig,
-        apply_freeze,
-        build_policy,
-        build_value_model,
-        init_value_from_policy,
-    )
-    from sao_megatron.optim.builder import build_optimizer
-    from sao_megatron.optim.config import OptimizerConfig, PrecisionConfig
-
-    cfg, prec = MoEModelConfig(**tiny_moe_kwargs()), PrecisionConfig()
-    policy = build_policy(cfg, parallel, prec)
-    value = build_value_model(cfg, parallel, prec)
-    init_value_from_policy(value[0], policy[0].state_dict())
-    apply_freeze(value, VALUE_DEFAULT_FREEZE_PATTERNS)
-    p_state = v_state = None
-    if role in (None, "policy"):
-        p_state = build_optimizer(policy, parallel, OptimizerConfig(lr=1e-3, warmup_steps=2), prec)
-    if role in (None, "value"):
-        v_state = build_optimizer(value, parallel, OptimizerConfig(lr=5e-3, warmup_steps=2), prec)
-    return p_state, v_state
+    return build_train_states(parallel, role=role, warmup_steps=2)
 
 
 def make_batches(p_state, parallel):

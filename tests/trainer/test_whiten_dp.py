@@ -14,6 +14,7 @@ import torch
 
 from tests.conftest import launch, tiny_moe_kwargs
 from tests.golden import golden_worker
+from tests.train_states import build_train_states
 
 #: (algorithm, whiten_advantages) of every run
 RUNS = [("sao", True), ("grpo", True), ("sao", False), ("grpo", False)]
@@ -26,27 +27,7 @@ def _build(parallel, algorithm: str):
     weights). Adam's eps is 1e-3, as in tests/parallel/layout_worker.py: the first step,
     lr * g / (|g| + eps), is then smooth in g; with eps = 1e-8 it is lr * sign(g) and a
     gradient entry near 0 flips by 2 lr on float32 rounding of the DP all-reduce."""
-    from sao_megatron.models import (
-        VALUE_DEFAULT_FREEZE_PATTERNS,
-        MoEModelConfig,
-        apply_freeze,
-        build_policy,
-        build_value_model,
-        init_value_from_policy,
-    )
-    from sao_megatron.optim.builder import build_optimizer
-    from sao_megatron.optim.config import OptimizerConfig, PrecisionConfig
-
-    cfg, prec = MoEModelConfig(**tiny_moe_kwargs()), PrecisionConfig()
-    policy = build_policy(cfg, parallel, prec)
-    p_state = build_optimizer(policy, parallel, OptimizerConfig(lr=1e-3, adam_eps=1e-3), prec)
-    v_state = None
-    if algorithm == "sao":
-        value = build_value_model(cfg, parallel, prec)
-        init_value_from_policy(value[0], policy[0].state_dict())
-        apply_freeze(value, VALUE_DEFAULT_FREEZE_PATTERNS)
-        v_state = build_optimizer(value, parallel, OptimizerConfig(lr=5e-3, adam_eps=1e-3), prec)
-    return p_state, v_state
+    return build_train_states(parallel, with_value=algorithm == "sao", adam_eps=1e-3)
 
 
 def _params(train_state) -> dict[str, torch.Tensor]:
