@@ -213,7 +213,9 @@ def read_metadata(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
     if not path.is_file() or not (ckpt / POLICY_DIR / "metadata.json").is_file():
         raise FileNotFoundError(
             f"{ckpt} is not a converted checkpoint (needs {METADATA_NAME} and "
-            f"{POLICY_DIR}/metadata.json); create it with `sao-convert hf-to-megatron`"
+            f"{POLICY_DIR}/metadata.json); create it with `sao-convert hf-to-megatron` (a "
+            "training run's step checkpoints are another format: a job exports its policy as "
+            "HF itself, run_dir/hf_policy_final)"
         )
     meta = json.loads(path.read_text())
     if meta.get("format_version") != FORMAT_VERSION:

@@ -23,6 +23,12 @@ The Megatron checkpoint (dist_checkpointing) loads into any TP/PP/EP layout; --t
 only choose how the conversion itself is split (memory per process; experts are kept whole,
 expert_tp=1, when --ep > 1, and split over TP with --tp alone). Without torchrun,
 hf-to-megatron starts pp*lcm(tp, ep) local processes itself.
+
+A training job does not read this checkpoint: `sao-train` starts from the HF folder itself
+(`init_from_hf: HF_DIR`, each rank reading its own shard in any layout) and exports its trained
+policy as HF (run_dir/hf_policy_final). hf-to-megatron is for offline use: checking a model's
+conversion (megatron-to-hf gives the HF tensors back, bit for bit at the source dtype) and
+loading it from Python (sao_megatron.convert.checkpoint.load_converted_checkpoint).
 See docs/CONVERSION.md and docs/REAL_MODEL.md.
 """
 
@@ -56,10 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     to_mg = sub.add_parser(
         "hf-to-megatron",
-        help="HF folder (config.json + safetensors) -> Megatron dist checkpoint",
+        help="HF folder (config.json + safetensors) -> Megatron dist checkpoint (offline use; "
+        "jobs start from the HF folder, init_from_hf)",
         description="Read an HF safetensors checkpoint tensor by tensor and write a Megatron "
         "dist_checkpointing folder (policy/), its metadata (sao_convert.json) and the HF "
-        "config/tokenizer (hf/). The output folder appears only when complete.",
+        "config/tokenizer (hf/). The output folder appears only when complete. For offline "
+        "use (checking a conversion, megatron-to-hf, load_converted_checkpoint in Python): "
+        "sao-train does not load it; a job starts from the HF folder itself with "
+        "`init_from_hf: HF_DIR`.",
     )
     to_mg.add_argument("--hf", required=True, help="HF model folder")
     to_mg.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
@@ -75,11 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
     to_mg.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     to_hf = sub.add_parser(
         "megatron-to-hf",
-        help="Megatron checkpoint made by hf-to-megatron (or trained from one) -> HF folder",
+        help="Megatron checkpoint made by hf-to-megatron -> HF folder",
         description="Load the checkpoint at TP=PP=EP=1 in one process and write sharded "
-        "safetensors with model.safetensors.index.json, config.json and the tokenizer files.",
+        "safetensors with model.safetensors.index.json, config.json and the tokenizer files. "
+        "Reads a folder made by hf-to-megatron (sao_convert.json + policy/), not a training "
+        "run's step checkpoint: a job writes its trained policy as HF itself "
+        "(run_dir/hf_policy_final).",
     )
-    to_hf.add_argument("--ckpt", required=True, help="converted Megatron checkpoint folder")
+    to_hf.add_argument("--ckpt", required=True, help="hf-to-megatron output folder")
     to_hf.add_argument("--out", required=True, help="output HF folder")
     to_hf.add_argument(
         "--max-shard-size",

@@ -8,6 +8,7 @@ value pre-training, RL) and the rules that span components. YAML files under
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -55,6 +56,14 @@ def model_from_hf(user: MoEModelConfig, hf_dir: str) -> MoEModelConfig:
     from sao_megatron.convert.hf_io import read_hf_config
     from sao_megatron.convert.model_config import model_config_from_hf
 
+    converted = Path(hf_dir) / "sao_convert.json"  # an `sao-convert hf-to-megatron` output
+    if converted.is_file() and not (Path(hf_dir) / "config.json").is_file():
+        source = json.loads(converted.read_text()).get("source", "HF_DIR")
+        raise ValueError(
+            f"init_from_hf={hf_dir!r} is a Megatron checkpoint made by `sao-convert "
+            "hf-to-megatron`, which jobs do not load: point init_from_hf (and tokenizer.path) "
+            f"at the Hugging Face folder it was converted from, {source}"
+        )
     if not (Path(hf_dir) / "config.json").is_file():
         raise ValueError(
             f"init_from_hf={hf_dir!r}: no config.json there; point it at a Hugging Face model "

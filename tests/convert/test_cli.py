@@ -149,7 +149,29 @@ def test_help_lists_subcommands(capsys):
     assert "hf-to-megatron" in text and "megatron-to-hf" in text
     with pytest.raises(SystemExit):
         main(["hf-to-megatron", "--help"])
-    assert "--tp" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "--tp" in text and "sao-train does not load it" in text and "init_from_hf" in text
+
+
+def test_a_job_starts_from_the_hf_folder_not_the_converted_one(converted):
+    """hf-to-megatron output is for offline use: a job pointed at it is told to use the HF
+    folder it came from; from that folder the job builds the converted checkpoint's model."""
+    from sao_megatron.convert.checkpoint import read_metadata
+    from sao_megatron.data.tokenizer import TokenizerConfig
+    from sao_megatron.models import MoEModelConfig
+    from sao_megatron.trainer.job import JobConfig
+
+    hf_dir, mg_dir, _ = converted
+    tokenizer = TokenizerConfig(kind="hf", path=str(mg_dir / "hf"))
+    with pytest.raises(
+        ValueError, match=r"made by `sao-convert hf-to-megatron`, which jobs do"
+    ) as e:
+        JobConfig(init_from_hf=str(mg_dir), tokenizer=tokenizer)
+    assert str(hf_dir.absolute()) in str(e.value)
+    job = JobConfig(
+        init_from_hf=str(hf_dir), tokenizer=TokenizerConfig(kind="hf", path=str(hf_dir))
+    )
+    assert job.model == MoEModelConfig(**read_metadata(mg_dir)["model_config"])
 
 
 def _expect_error(argv, pattern, capsys, out: Path) -> None:
