@@ -15,7 +15,6 @@ run_dir/config.yaml and every checkpoint record.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import time
@@ -36,7 +35,7 @@ from sao_megatron.parallel.collectives import broadcast_from_last_stage, broadca
 from sao_megatron.parallel.roles import RoleLayout, split_roles
 from sao_megatron.parallel.state import ParallelState
 from sao_megatron.rollout import serve as remote
-from sao_megatron.rollout.engine import EngineClient, EngineError, EngineProcess
+from sao_megatron.rollout.engines import EngineFleet
 from sao_megatron.rollout.manager import RolloutManager
 from sao_megatron.trainer import report, runtime, signals
 from sao_megatron.trainer.checkpoint import (
@@ -63,7 +62,7 @@ from sao_megatron.trainer.rl_step import RLStep, StepConfig
 from sao_megatron.trainer.run_state import RLRunState, TaskStream, task_index
 from sao_megatron.trainer.sft import SequenceSampler, sft_step
 from sao_megatron.trainer.value_pretrain import ValuePretrain
-from sao_megatron.weight_sync import export_hf, gather_hf_weights, publish_policy, sync_engines
+from sao_megatron.weight_sync import export_hf, gather_hf_weights, publish_policy
 
 log = logging.getLogger("sao_megatron.trainer")
 
@@ -116,8 +115,7 @@ class Controller:
         self.rank0 = parallel.rank == 0
         self.run_dir = Path(job.run_dir)
         self.summary: dict[str, float] = {}
-        self._early_engines: list[EngineProcess] = []  # started before SFT (rank 0)
-        self._engine_request: str | None = None  # nonce of our request to remote engines (rank 0)
+        self._fleet: EngineFleet | None = None  # rank 0's engines, once started or requested
 
     # ------------------------------------------------------------------ helpers
     def _ckpt(self, stage: str) -> CheckpointManager:
@@ -213,20 +211,18 @@ class Controller:
                 policy = self.sft_stage()
             if {"value_pretrain", "rl"} & set(job.stages):
                 self.rl_stage(policy, rl_resume)
-        finally:  # the rollout does not own engines started before SFT
-            for engine in self._early_engines:
-                engine.stop()
-            if self._engine_request is not None:  # remote engines: their step may exit now
-                remote.release_engines(self._engine_urls_file(), self._engine_request)
+        finally:  # also when the rollout never started: engines started or requested early
+            if self._fleet is not None:
+                self._fleet.stop()
         return self.summary
 
     def _start_engines_early(self, policy_chunks) -> None:
-        """Start the local vLLM engines now, so their start-up overlaps SFT (collective).
+        """Start the engines now, so their start-up overlaps SFT (collective: the export).
 
-        They load the initial policy (exported to run_dir/rollout/hf_init); `_adopt_engines`
-        waits for them after SFT and reloads the SFT weights before any episode is sampled.
-        Engines found through ``rollout.engine_urls_file`` are asked for now instead (they start
-        on this export in their own job step). Nothing is started when no later stage needs the
+        They load the initial policy (exported to run_dir/rollout/hf_init): rank 0's
+        `EngineFleet.start_early` spawns the local engines, or asks the engine step for remote
+        ones (``rollout.engine_urls_file``). `_fleet_serving` loads the SFT weights into them
+        before any episode is sampled. Nothing is started when no later stage needs the
         engines or `rollout.engine_urls` lists them.
         """
         job = self.job
@@ -234,34 +230,41 @@ class Controller:
             return
         init_dir = self.run_dir / "rollout" / "hf_init"
         export_hf(policy_chunks, self.spec, self.hf_config, self.tokenizer, self.parallel, init_dir)
-        if self.rank0 and job.rollout.engine_urls_file:
-            self._request_remote_engines(init_dir)
-        elif self.rank0:
-            self._early_engines = [
-                EngineProcess(job.rollout, i, init_dir, self.run_dir / "rollout")
-                for i in range(job.rollout.num_engines)
-            ]
-            for engine in self._early_engines:
-                engine.start()
-            log.info("started %d vLLM engine(s) to overlap SFT", len(self._early_engines))
+        if self.rank0:
+            self._fleet = self._new_fleet(init_dir)
+            self._fleet.start_early()
 
-    def _adopt_engines(self, policy_chunks, hf_dir: Path, version: int) -> list | None:
-        """The engines started before SFT, ready and serving `policy_chunks` as `version`
-        (collective: the weights are gathered; rank 0 waits, writes one safetensors file and
-        syncs every engine to it). A restarted engine then loads `hf_dir`. None if none were
-        started early."""
-        if not bool(self._broadcast_to_policy_ranks(bool(self._early_engines))):
-            return None
+    def _new_fleet(self, model_path: Path, initial_version: int = 0) -> EngineFleet:
+        """Rank 0's engine fleet (not started): slots and logs under run_dir/rollout, an
+        absolute path (remote engines read the slots by path, in another working directory)."""
+        cfg = self.job.rollout
+        urls_file = remote.resolve_urls_file(cfg, self.run_dir) if cfg.engine_urls_file else None
+        return EngineFleet(
+            cfg,
+            run_dir=(self.run_dir / "rollout").resolve(),
+            model_path=model_path,
+            initial_version=initial_version,
+            urls_file=urls_file,
+        )
+
+    def _fleet_serving(self, policy_chunks, hf_dir: Path, version: int) -> EngineFleet | None:
+        """Rank 0's fleet, its engines serving `policy_chunks` as `version` (collective over the
+        policy ranks). Engines started early and remote engines get the weights now through
+        the fleet's one hand-off (`EngineFleet.load`: gathered to rank 0, one slot file, every
+        engine synced; a failure raises); local engines not started yet start from `hf_dir`,
+        the same weights. A restarted local engine starts from `hf_dir`. None on other ranks."""
+        early = bool(self._broadcast_to_policy_ranks(self._fleet is not None))
+        if not early and self.job.rollout.launches_engines:
+            return self._new_fleet(hf_dir, version) if self.rank0 else None
         weights = gather_hf_weights(policy_chunks, self.spec, self.train_parallel)
         if weights is None:  # not rank 0: it took part in the gather
             return None
-        for engine in self._early_engines:
-            waited = engine.wait_ready()
-            log.info("engine %d ready at %s (%.1f s after SFT)", engine.index, engine.url, waited)
-        self._load_start_weights([e.url for e in self._early_engines], weights, version)
-        for engine in self._early_engines:
-            engine.model_path = str(hf_dir)
-        return list(self._early_engines)
+        fleet = self._fleet or self._new_fleet(hf_dir, version)
+        self._fleet = fleet
+        fleet.load(weights, version, strict=True)
+        fleet.restart_from(hf_dir)
+        log.info("engines %s serve policy version %d", " ".join(fleet.urls), version)
+        return fleet
 
     def _broadcast_to_policy_ranks(self, obj):
         """Rank 0's `obj` on every rank that holds the RL policy (the world, or the policy ranks
@@ -274,57 +277,6 @@ class Controller:
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=group)
         return box[0]
-
-    def _engine_urls_file(self) -> Path:
-        return remote.resolve_urls_file(self.job.rollout, self.run_dir)
-
-    def _request_remote_engines(self, model_dir: Path) -> None:
-        """Ask the engine step (`sao_megatron.rollout.serve`) for engines on `model_dir`
-        (rank 0)."""
-        urls_file = self._engine_urls_file()
-        self._engine_request = remote.request_engines(urls_file, model_dir)
-        log.info("asked the engine step for engines serving %s (%s.request)", model_dir, urls_file)
-
-    def _attach_remote_engines(self, policy_chunks, hf_dir: Path, version: int) -> list | None:
-        """URLs of the remote engines (`rollout.engine_urls`, or found through
-        `rollout.engine_urls_file`), serving `policy_chunks` as `version` (collective: the
-        weights are gathered; rank 0 waits for the engines and loads the weights into them).
-        None on the other ranks."""
-        weights = gather_hf_weights(policy_chunks, self.spec, self.train_parallel)
-        if weights is None:  # not rank 0: it took part in the gather
-            return None
-        urls = list(self.job.rollout.engine_urls)
-        if not urls:
-            if self._engine_request is None:  # no SFT this run (resumed RL): ask now
-                self._request_remote_engines(hf_dir)
-            urls = remote.wait_for_engine_urls(
-                self._engine_urls_file(), self._engine_request, self.job.rollout.startup_timeout_s
-            )
-        self._load_start_weights(urls, weights, version)
-        log.info("remote engines %s serve policy version %d", " ".join(urls), version)
-        return urls
-
-    def _load_start_weights(self, urls: list[str], weights: dict, version: int) -> None:
-        """Load HF-named `weights` as `version` into the engines at `urls` (rank 0), through one
-        safetensors file under run_dir/rollout (absolute path: engines may run on other nodes
-        and in another working directory)."""
-        from safetensors.torch import save_file
-
-        path = (self.run_dir / "rollout" / "hf_start.safetensors").resolve()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({name: t.contiguous() for name, t in weights.items()}, str(path))
-
-        async def sync():
-            clients = [EngineClient(url, f"engine{i}") for i, url in enumerate(urls)]
-            try:
-                return await sync_engines(clients, path, version)
-            finally:
-                for c in clients:
-                    await c.aclose()
-
-        for result in asyncio.run(sync()):
-            if isinstance(result, BaseException):
-                raise EngineError(f"loading the trainer's weights into an engine: {result}")
 
     def _finished(self, rl_resume: Path | None) -> bool:
         """True (and says so) when the RL stage already ended at its latest checkpoint: its
@@ -456,27 +408,20 @@ class Controller:
                     self.tasks.consumed,
                 )
         hf_dir = self.run_dir / "hf_policy"
-        engines, rollout_cfg = None, job.rollout
+        fleet = None
         if policy is not None:  # the value ranks of a role split never own engine weights
             export_hf(policy.unwrapped, self.spec, self.hf_config, self.tokenizer, rp, hf_dir)
-            engines = self._adopt_engines(policy.unwrapped, hf_dir, run.policy_version)
-            if not job.rollout.launches_engines:  # remote engines: found, then given our weights
-                urls = self._attach_remote_engines(policy.unwrapped, hf_dir, run.policy_version)
-                if self.rank0:
-                    rollout_cfg = dataclasses.replace(
-                        job.rollout, engine_urls=urls, engine_urls_file=None
-                    )
+            fleet = self._fleet_serving(policy.unwrapped, hf_dir, run.policy_version)
         rollout = None
         if self.rank0:  # a resumed run's engines serve the checkpoint's weights as its version
+            self._fleet = fleet or self._new_fleet(hf_dir, run.policy_version)
             rollout = RolloutManager(
-                rollout_cfg,
+                job.rollout,
                 self.formatter,
                 self.tasks,
+                fleet=self._fleet,
                 initial_version=run.policy_version,
-                run_dir=(self.run_dir / "rollout").resolve(),  # slot paths the engines read
-                model_path=str(hf_dir),
                 group_size=self.algorithm.group_size,
-                processes=engines,
             )
             if status_counts is not None:  # counts continue across the resume
                 rollout.status_counters.load_state_dict(status_counts)

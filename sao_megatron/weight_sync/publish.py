@@ -18,9 +18,9 @@ from sao_megatron.weight_sync.gather import gather_hf_weights
 
 
 class WeightSink(Protocol):
-    """What `publish_policy` needs of the rollout side (``RolloutManager.publish_weights``):
-    write the slot file, sync every engine, return a result with ``max_pause_s``, ``write_s``
-    and ``failed_engines``."""
+    """What `publish_policy` needs of the rollout side (``RolloutManager.publish_weights``, which
+    hands the weights to its `EngineFleet`): write the slot file, sync every engine, return a
+    result with ``max_pause_s``, ``write_s`` and ``failed_engines``."""
 
     def publish_weights(self, weights: dict[str, torch.Tensor], version: int): ...
 

@@ -15,7 +15,7 @@ import torch
 from sao_megatron.convert.model_io import megatron_to_hf_tensors
 from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.engine import EngineClient, EngineProcess
-from sao_megatron.weight_sync.engines import sync_engine
+from sao_megatron.rollout.engines import sync_engine
 from sao_megatron.weight_sync.publisher import WeightPublisher
 from tests.real_model.megatron_util import megatron_logits, megatron_policy
 from tests.rollout.conftest import vllm_python

@@ -17,7 +17,7 @@ import pytest
 
 from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.engine import REPO_ROOT, EngineClient, EngineProcess, group_members
-from sao_megatron.weight_sync.engines import sync_engine
+from sao_megatron.rollout.engines import sync_engine
 
 VLLM_PY = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 

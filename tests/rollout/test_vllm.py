@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 from sao_megatron.envs import make_env
 from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.engine import EngineClient
+from sao_megatron.rollout.engines import sync_engine
 from sao_megatron.rollout.manager import RolloutManager, Task
-from sao_megatron.weight_sync.engines import sync_engine
 from sao_megatron.weight_sync.publisher import WeightPublisher
 from tests.rollout.conftest import hf_logprobs
 from tests.rollout.fakes import CountEnv, make_formatter

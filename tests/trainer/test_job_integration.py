@@ -227,7 +227,8 @@ def test_rl_loads_sft_checkpoint_in_another_layout(tmp_path, engine_pool, sao_jo
         pool=engine_pool,
     )
     wa = load_file(a / "hf_policy" / "model-00001-of-00001.safetensors")
-    wb = load_file(next((b / "rollout" / "weights").rglob("*.safetensors")))  # version 1
+    # version 1's slot (slot0 holds the start weights, version 0: EngineFleet.load)
+    wb = load_file(b / "rollout" / "weights" / "slot1" / "model.safetensors")
     hb = load_file(b / "hf_policy" / "model-00001-of-00001.safetensors")  # as loaded (v0)
     assert wa.keys() == hb.keys() == wb.keys()
     for k in wa:
