@@ -263,7 +263,8 @@ class Controller:
         self._fleet = fleet
         fleet.load(weights, version, strict=True)
         fleet.restart_from(hf_dir)
-        log.info("engines %s serve policy version %d", " ".join(fleet.urls), version)
+        kind = "local" if self.job.rollout.launches_engines else "remote"
+        log.info("%s engines %s serve policy version %d", kind, " ".join(fleet.urls), version)
         return fleet
 
     def _broadcast_to_policy_ranks(self, obj):
