@@ -231,10 +231,10 @@ def test_weight_sync_changes_outputs_exactly_as_new_weights(engines, tiny_models
 
     n_tok = 1800
 
-    async def long_generation(client):
+    async def long_generation(client, max_tokens=n_tok):
         return await client.generate(
             prompt,
-            max_tokens=n_tok,
+            max_tokens=max_tokens,
             temperature=1.0,
             top_p=1.0,
             stop_token_ids=[],
@@ -243,18 +243,19 @@ def test_weight_sync_changes_outputs_exactly_as_new_weights(engines, tiny_models
         )
 
     # An action in flight during the sync: its tokens switch version at the pause. How long to
-    # let it run before the sync follows this machine's decode speed: a full-length request is
-    # timed first and the sync starts at a fraction of that (on an idle fast machine 1,800 tokens
-    # take well under a second; on a loaded one, several seconds). A request that ends before the
+    # let it run before the sync follows this machine's decode speed: a 200-token request is
+    # timed first and the sync starts at a fifth of the full request's estimated time (on an
+    # idle fast machine 1,800 tokens take well under a second; on a loaded one, several
+    # seconds). A request that ends before the
     # sync, or a sync that lands after the request ended (the slot file is written first), is
     # tried again with half the wait, alternating the two weight sets, up to 6 times.
     with RolloutManager(
         cfg, fmt, [Task(task_id="c0", make_env=CountEnv, seed=0)], run_dir=tmp_path
     ) as m:
         m.get_batch(0, timeout=120)
-        t0 = time.monotonic()
-        asyncio.run_coroutine_threadsafe(long_generation(m.clients[0]), m._loop).result(120)
-        wait_s = min(0.3, 0.2 * (time.monotonic() - t0))
+        t0 = time.monotonic()  # a ninth of the request, timed: decode dominates, ~linear
+        asyncio.run_coroutine_threadsafe(long_generation(m.clients[0], 200), m._loop).result(120)
+        wait_s = min(0.3, 0.2 * 9 * (time.monotonic() - t0))
         version, attempts = 0, []
         for _ in range(6):
             fut = asyncio.run_coroutine_threadsafe(long_generation(m.clients[0]), m._loop)

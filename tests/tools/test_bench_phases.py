@@ -30,14 +30,21 @@ TINY = [
 ]
 
 
-@pytest.mark.parametrize("config", ["quickstart", "hanoi_plan"])
+def test_windowed_config_gets_one_row_a_node(parallel_1rank):
+    """hanoi_plan (window 1): one row a node, its context and its action."""
+    job, _, _, _, batch = bench.build("hanoi_plan", parallel_1rank, TINY)
+    nodes, n_obs, n_act = bench.SHAPES["hanoi_plan"]
+    assert job.episode.context_mode == "window"
+    assert batch.num_rows == 4 * nodes and batch.token_ids.shape[1] == n_obs + n_act
+    assert int(batch.action_mask.sum()) == 4 * nodes * n_act
+
+
+@pytest.mark.parametrize("config", ["quickstart"])
 def test_phases_of_one_step_on_the_configs_rollout_shape(config, parallel_1rank, tmp_path):
     job, policy, value, step, batch = bench.build(config, parallel_1rank, TINY)
     nodes, n_obs, n_act = bench.SHAPES[config]
-    if job.episode.context_mode == "window":  # one row a node: its context + its action
-        assert batch.num_rows == 4 * nodes and batch.token_ids.shape[1] == n_obs + n_act
-    else:  # one row a trajectory
-        assert batch.num_rows == 4 and batch.token_ids.shape[1] == nodes * (n_obs + n_act)
+    assert job.episode.context_mode == "full_history"  # one row a trajectory
+    assert batch.num_rows == 4 and batch.token_ids.shape[1] == nodes * (n_obs + n_act)
     assert int(batch.action_mask.sum()) == 4 * nodes * n_act
     # on-policy: the behaviour log-probs are the policy's own, so the first step's ratio is 1
     state = step.start(batch, train_version=0)
