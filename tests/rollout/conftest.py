@@ -116,3 +116,15 @@ def engines(vllm_servers, tiny_models):
             await c.aclose()
 
     asyncio.run(restore())
+
+
+@pytest.fixture
+def fakes():
+    """Two in-process fake engines at http://fake0 and http://fake1 (`tests.rollout.fakes`),
+    registered for `FakeEngineClient` during the test."""
+    from tests.rollout.fakes import FakeEngine, FakeEngineClient
+
+    engines = {f"http://fake{i}": FakeEngine(f"engine{i}") for i in range(2)}
+    FakeEngineClient.registry = engines
+    yield list(engines.values())
+    FakeEngineClient.registry = {}

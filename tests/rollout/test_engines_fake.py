@@ -13,16 +13,8 @@ from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.engine_client import EngineError
 from sao_megatron.rollout.engines import EngineFleet
 from sao_megatron.rollout.manager import RolloutManager
-from tests.rollout.fakes import FakeEngine, FakeEngineClient, FakeProcess, make_formatter
+from tests.rollout.fakes import FakeEngineClient, FakeProcess, make_formatter
 from tests.rollout.test_manager_fake import finite_tasks
-
-
-@pytest.fixture
-def fakes():
-    engines = {f"http://fake{i}": FakeEngine(f"engine{i}") for i in range(2)}
-    FakeEngineClient.registry = engines
-    yield list(engines.values())
-    FakeEngineClient.registry = {}
 
 
 def _cfg(**kw) -> RolloutConfig:

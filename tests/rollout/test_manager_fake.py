@@ -12,20 +12,11 @@ from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.manager import RolloutManager, Task, round_robin_tasks
 from tests.rollout.fakes import (
     CountEnv,
-    FakeEngine,
     FakeEngineClient,
     FakeProcess,
     make_formatter,
     short_long_tasks,
 )
-
-
-@pytest.fixture
-def fakes():
-    engines = {f"http://fake{i}": FakeEngine(f"engine{i}") for i in range(2)}
-    FakeEngineClient.registry = engines
-    yield list(engines.values())
-    FakeEngineClient.registry = {}
 
 
 def make_manager(
