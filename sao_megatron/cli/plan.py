@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from sao_megatron.plugins import add_import_argument
 
 EXAMPLE = (
-    "example:\n  sao-plan examples/configs/cluster/qwen3_30b_a3b_2x8.yaml --nodes 2 "
+    "example:\n  sao-plan examples/configs/cluster/qwen3_30b_a3b_2x8_h100.yaml --nodes 2 "
     "--gpus-per-node 8 --gpu-memory-gib 80 --rollout-nodes 1"
 )
 FITS, ERROR, DOES_NOT_FIT = 0, 2, 3
