@@ -192,21 +192,16 @@ def summarise(runs: list[dict[str, float]]) -> dict[str, float]:
 def profile_value_phase(step, batch, out_dir: Path, config: str) -> Path:
     """torch.profiler over one step's value phases (targets, updates, advantages): the top
     operators by self CPU time, as a text table."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     state = step.start(batch, train_version=0)
     value_phases = [p for p in step.algorithm.schedule if p.value != "policy_update"]
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
         for phase in value_phases:
             step.run(phase, state)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"profile_value_phase_{config}.txt"
-    table = prof.key_averages(group_by_input_shape=False).table(
-        sort_by="self_cpu_time_total", row_limit=40
-    )
-    path.write_text(table)
-    del torch
+    path.write_text(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
     return path
 
 
