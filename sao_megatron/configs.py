@@ -11,8 +11,11 @@ component's generic ``optimizer.lr``; see ``CONFIG_SECTION``).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import difflib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -22,6 +25,47 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from sao_megatron.plugins import import_plugins
 
 T = TypeVar("T")
+
+# The dotted keys the YAML file and the overrides of the config being built set (leaves only),
+# for a component's __post_init__ that must tell a value the user wrote from the dataclass
+# default it equals (`explicit_fields`); None outside `load_config`.
+_EXPLICIT_KEYS: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar(
+    "sao_config_explicit_keys", default=None
+)
+
+
+def explicit_fields(section: str) -> set[str] | None:
+    """The fields of ``section`` (e.g. ``"model"``) that the YAML file or an override of the
+    config being loaded sets, whatever their value (a value equal to the dataclass default
+    counts); None when the config is not being built by `load_config` (a dataclass made in
+    Python: the caller cannot tell and must fall back on its own rule)."""
+    keys = _EXPLICIT_KEYS.get()
+    if keys is None:
+        return None
+    prefix = section + "."
+    return {k[len(prefix) :].split(".")[0] for k in keys if k.startswith(prefix)}
+
+
+def _leaf_keys(node: Any, path: str = "") -> Iterator[str]:
+    """Dotted paths of the leaves of a parsed YAML/dotlist layer (a mapping value that is a
+    list or scalar is a leaf)."""
+    if isinstance(node, DictConfig):
+        for k in node:
+            child = node._get_node(k)
+            sub = f"{path}.{k}" if path else str(k)
+            if isinstance(child, DictConfig):
+                yield from _leaf_keys(child, sub)
+            else:
+                yield sub
+
+
+@contextlib.contextmanager
+def _explicit_keys(layers: list[DictConfig]) -> Iterator[None]:
+    token = _EXPLICIT_KEYS.set(frozenset(k for layer in layers for k in _leaf_keys(layer)))
+    try:
+        yield
+    finally:
+        _EXPLICIT_KEYS.reset(token)
 
 
 def load_config(schema: type[T], path: str | Path | None, overrides: list[str] = ()) -> T:
@@ -62,7 +106,8 @@ def load_config(schema: type[T], path: str | Path | None, overrides: list[str] =
     if "plugins" in merged:  # registers the algorithms/environments the sections name
         import_plugins(merged.plugins)
     try:
-        return OmegaConf.to_object(merged)  # runs each dataclass's __post_init__
+        with _explicit_keys(layers):
+            return OmegaConf.to_object(merged)  # runs each dataclass's __post_init__
     except ValueError as e:
         raise ValueError(_in_section(merged, str(e))) from None
 

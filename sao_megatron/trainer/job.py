@@ -15,6 +15,7 @@ from typing import ClassVar
 
 from sao_megatron.algorithm import registry
 from sao_megatron.algorithm.config import AlgorithmConfig
+from sao_megatron.configs import explicit_fields
 from sao_megatron.data.demonstrations import DemonstrationConfig
 from sao_megatron.data.episode import EpisodeFormatConfig
 from sao_megatron.data.tokenizer import TokenizerConfig
@@ -40,14 +41,18 @@ def _default_model() -> MoEModelConfig:
     return MoEModelConfig(**JOB_DEFAULT_MOE_FIELDS)
 
 
-def model_from_hf(user: MoEModelConfig, hf_dir: str) -> MoEModelConfig:
+def model_from_hf(
+    user: MoEModelConfig, hf_dir: str, explicit: set[str] | None = None
+) -> MoEModelConfig:
     """The model config of a job that starts from the HF model in `hf_dir` (``init_from_hf``).
 
     Architecture fields come from ``hf_dir/config.json`` through the converter's
     ``model_config_from_hf`` (MoE families and dense Qwen2/Qwen3/Llama, tied embeddings
-    included). A field of `user` that differs from the job's default model counts as set by the
-    user: it must equal the HF value, except the training-only ``HF_INIT_FREE_FIELDS`` (kept)
-    and ``max_position_embeddings`` (kept when not above the HF value).
+    included). A field the user set (`explicit`: the model fields the YAML file or an override
+    names, whatever their value, from `sao_megatron.configs.explicit_fields`; when None, a field
+    that differs from the job's default model) must equal the HF value, except the
+    training-only ``HF_INIT_FREE_FIELDS`` (kept) and ``max_position_embeddings`` (kept when not
+    above the HF value). Fields the user did not set take config.json's values.
 
     Raises:
         ValueError: no config.json, an unsupported architecture, or a user-set field that
@@ -74,7 +79,8 @@ def model_from_hf(user: MoEModelConfig, hf_dir: str) -> MoEModelConfig:
     default, keep, conflicts = _default_model(), {}, []
     for f in dataclasses.fields(MoEModelConfig):
         mine, theirs = getattr(user, f.name), getattr(hf, f.name)
-        if mine == getattr(default, f.name) or mine == theirs:
+        unset = f.name not in explicit if explicit is not None else mine == getattr(default, f.name)
+        if unset or mine == theirs:
             continue
         if f.name in HF_INIT_FREE_FIELDS or (
             f.name == "max_position_embeddings" and mine <= theirs
@@ -358,7 +364,7 @@ class JobConfig:
         if order != sorted(order) or len(set(order)) != len(order):
             raise ValueError(f"stages={self.stages}: list each stage once, in the order {STAGES}")
         if self.init_from_hf is not None:
-            self.model = model_from_hf(self.model, self.init_from_hf)
+            self.model = model_from_hf(self.model, self.init_from_hf, explicit_fields("model"))
             same = self.tokenizer.path and Path(self.tokenizer.path).resolve() == (
                 Path(self.init_from_hf).resolve()
             )

@@ -10,7 +10,7 @@ import torch
 from sao_megatron.configs import load_config
 from sao_megatron.trainer import runtime
 from sao_megatron.trainer.controller import Controller
-from sao_megatron.trainer.job import JobConfig
+from sao_megatron.trainer.job import JobConfig, _default_model, model_from_hf
 from tests.real_model.conftest import real_text_ids
 from tests.real_model.megatron_util import hf_logits, megatron_logits
 
@@ -83,6 +83,28 @@ def test_training_fields_are_kept(smollm2_2layer, tmp_path):
     too_long = ("model.max_position_embeddings=100000",)
     with pytest.raises(ValueError, match="max_position_embeddings=100000"):
         load_config(JobConfig, None, job_overrides(smollm2_2layer, tmp_path, *too_long))
+
+
+def test_a_set_value_equal_to_the_job_default_counts_as_set(smollm2_2layer, tmp_path):
+    """The job default model has max_position_embeddings 2048 and hidden_size 256; the HF model
+    8192 and 576. Written out, 2048 is kept (not read as unset and replaced by 8192) and 256 is
+    refused; left out, both come from config.json. In Python (no `load_config`) the rule falls
+    back on 'differs from the default'."""
+    keep = ("model.max_position_embeddings=2048",)
+    job = load_config(JobConfig, None, job_overrides(smollm2_2layer, tmp_path, *keep))
+    assert job.model.max_position_embeddings == 2048 and job.model.hidden_size == 576
+    plain = load_config(JobConfig, None, job_overrides(smollm2_2layer, tmp_path))
+    assert plain.model.max_position_embeddings == 8192
+    with pytest.raises(ValueError, match=r"model\.hidden_size=256 but config.json gives 576"):
+        load_config(
+            JobConfig, None, job_overrides(smollm2_2layer, tmp_path, "model.hidden_size=256")
+        )
+    yaml = tmp_path / "job.yaml"  # the same from a file's model section
+    yaml.write_text("model:\n  max_position_embeddings: 2048\n")
+    assert load_config(JobConfig, yaml, job_overrides(smollm2_2layer, tmp_path)).model == job.model
+    default = _default_model()
+    assert model_from_hf(default, str(smollm2_2layer)).max_position_embeddings == 8192
+    assert model_from_hf(default, str(smollm2_2layer), {"max_position_embeddings"}) == job.model
 
 
 def test_tokenizer_must_be_the_models(smollm2_2layer, tmp_path):
