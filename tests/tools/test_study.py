@@ -1,0 +1,245 @@
+"""tools/study.py: the matrix of cells, shared stages run once, interrupted cells resumed in
+their folder, finished cells never rerun, a changed cell refused, and the report and plan from
+whatever runs exist. The jobs are a fake `sao-train` (a script that writes the metrics a real
+RL stage writes, resumes from its own metrics like a checkpointed run, and can be told to die
+after a step); the cells' commands are the real ones."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+_spec = importlib.util.spec_from_file_location("study", ROOT / "tools" / "study.py")
+study_mod = importlib.util.module_from_spec(_spec)
+sys.modules["study"] = study_mod  # dataclasses look their module up
+_spec.loader.exec_module(study_mod)
+
+FAKE_JOB = r"""
+import json, os, sys
+from pathlib import Path
+run_dir = Path(sys.argv[1]); ov = dict(o.split("=", 1) for o in sys.argv[2:])
+with open(os.environ["FAKE_LOG"], "a") as f:
+    f.write(json.dumps({"run_dir": str(run_dir), "stages": ov["stages"]}) + "\n")
+stages = ov["stages"]
+if stages == "[sft]":
+    (run_dir / "checkpoints" / "sft" / "step_00000010").mkdir(parents=True)
+    (run_dir / "tokenizer").mkdir(); (run_dir / "tokenizer" / "t.model").write_text("tok")
+    sys.exit(0)
+if stages == "[value_pretrain]":
+    assert (run_dir / "checkpoints" / "sft" / "step_00000010").is_dir(), "not seeded from SFT"
+    (run_dir / "checkpoints" / "rl" / "step_00000000").mkdir(parents=True)
+    (run_dir / "checkpoints" / "rl" / "step_00000000" / "critic").write_text("vp")
+    sys.exit(0)
+steps, seed = int(ov["rl.steps"]), int(ov["seed"])
+sao = "algorithm.name=grpo" not in sys.argv[2:]
+assert (run_dir / "checkpoints" / "rl" / "step_00000000").is_dir() == sao, "critic seeding"
+rl = run_dir / "rl"; rl.mkdir(exist_ok=True)
+metrics = rl / "metrics.jsonl"
+done = [json.loads(x)["step"] for x in metrics.read_text().splitlines()] if metrics.exists() else []
+start = max(done, default=0)
+die_at = int(os.environ.get("FAKE_DIE_AT", "0"))
+if not done:
+    with open(rl / "eval.jsonl", "a") as f:
+        f.write(json.dumps({"step": 0, "eval/success_rate": 0.1 + 0.01 * seed}) + "\n")
+for step in range(start + 1, steps + 1):
+    with open(metrics, "a") as f:
+        f.write(json.dumps({"step": step, "time/rl_elapsed_s": 2.0 * step,
+                            "rollout/episodes_started": 40 + 16 * step,
+                            "batch/num_trajectories": 16, "reward/mean": 0.5, "policy/entropy": 0.1,
+                            "value/explained_variance_before": 0.2 if sao else None}) + "\n")
+    if die_at and step == die_at:
+        sys.exit(3)
+with open(rl / "eval.jsonl", "a") as f:
+    final = (0.5 if sao else 0.3) + 0.01 * seed
+    f.write(json.dumps({"step": steps, "eval/success_rate": final}) + "\n")
+"""
+
+STUDY = """\
+name: test study
+config: examples/configs/quickstart.yaml
+out: {out}
+section: Test study
+rl_steps: 4
+num_eval_tasks: 8
+save_interval: 2
+algorithms:
+  sao: []
+  grpo: []
+variants:
+  k1:
+    overrides: [algorithm.sao.value_updates_per_policy_update=1]
+    algorithms: [sao]
+seeds: [0, 1]
+"""
+
+
+@pytest.fixture
+def study(tmp_path, monkeypatch):
+    fake = tmp_path / "fake_job.py"
+    fake.write_text(FAKE_JOB)
+    log = tmp_path / "jobs.jsonl"
+    monkeypatch.setenv("FAKE_LOG", str(log))
+
+    def command(study, run_dir, overrides):
+        return [sys.executable, str(fake), str(run_dir), *overrides]
+
+    monkeypatch.setattr(study_mod, "_command", command)
+    path = tmp_path / "study.yaml"
+    path.write_text(STUDY.format(out=tmp_path / "out"))
+    jobs = lambda: [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []  # noqa: E731
+    return path, tmp_path / "out", jobs
+
+
+def test_cells_are_seed_major_with_their_own_overrides(study):
+    path, out, _ = study
+    cells = study_mod.cells(study_mod.load_study(path))
+    assert [c.name for c in cells] == [
+        "sao/seed0", "sao+k1/seed0", "grpo/seed0", "sao/seed1", "sao+k1/seed1", "grpo/seed1",
+    ]  # fmt: skip
+    by = {c.name: c for c in cells}
+    assert by["sao+k1/seed1"].run_dir == out / "sao+k1" / "seed1"
+    assert "algorithm.sao.value_updates_per_policy_update=1" in by["sao+k1/seed1"].overrides
+    assert "algorithm.name=grpo" in by["grpo/seed0"].overrides
+    assert {"seed=1", "tasks.train_seed=2", "rollout.seed=1", "rl.steps=4", "stages=[rl]"} <= set(
+        by["grpo/seed1"].overrides
+    )
+    assert by["sao/seed0"].needs_value_model and not by["grpo/seed0"].needs_value_model
+
+
+def test_shared_stages_once_interrupted_cell_resumes_and_done_cells_never_rerun(study, monkeypatch):
+    path, out, jobs = study
+    monkeypatch.setenv("FAKE_DIE_AT", "3")  # every job dies after RL step 3
+    with pytest.raises(RuntimeError, match=r"cell 1/6 sao/seed0 failed \(exit 3\); rerun"):
+        study_mod.main([str(path)])
+    assert [j["stages"] for j in jobs()] == ["[sft]", "[value_pretrain]", "[rl]"]
+    cell = json.loads((out / "sao" / "seed0" / "cell.json").read_text())
+    assert [a["exit_code"] for a in cell["attempts"]] == [3]
+    assert cell["attempts"][0]["rl_steps_after"] == 3 and "commit" in cell["attempts"][0]
+
+    monkeypatch.delenv("FAKE_DIE_AT")
+    assert study_mod.main([str(path)]) == 0
+    # the shared stages are not rerun; the first cell resumes in its folder, the others run
+    assert [j["stages"] for j in jobs()] == ["[sft]", "[value_pretrain]"] + ["[rl]"] * 7
+    cell = json.loads((out / "sao" / "seed0" / "cell.json").read_text())
+    assert [(a["rl_steps_before"], a["rl_steps_after"]) for a in cell["attempts"]] == [
+        (0, 3),
+        (3, 4),
+    ]
+    metrics = (out / "sao" / "seed0" / "rl" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in metrics] == [1, 2, 3, 4]  # no step redone or lost
+    # SAO cells start from the shared pre-trained critic, GRPO's from the SFT start only
+    assert (out / "sao+k1" / "seed1" / "checkpoints" / "rl" / "step_00000000" / "critic").exists()
+    assert (out / "grpo" / "seed1" / "checkpoints" / "sft" / "step_00000010").is_dir()
+
+    n = len(jobs())
+    assert study_mod.main([str(path)]) == 0
+    assert len(jobs()) == n  # everything done: nothing runs
+
+
+def test_a_changed_cell_is_refused_and_only_selects_cells(study, monkeypatch):
+    path, out, jobs = study
+    monkeypatch.setenv("FAKE_DIE_AT", "1")
+    with pytest.raises(RuntimeError):
+        study_mod.main([str(path), "--only", "grpo/*"])
+    assert [j["run_dir"] for j in jobs()][-1] == str(out / "grpo" / "seed0")
+    assert not (out / "_shared" / "value_pretrain").exists()  # no SAO cell selected
+    monkeypatch.delenv("FAKE_DIE_AT")
+    path.write_text(path.read_text().replace("rl_steps: 4", "rl_steps: 6"))
+    with pytest.raises(RuntimeError, match=r"grpo/seed0.*holds another job.*delete the folder"):
+        study_mod.main([str(path), "--only", "grpo/*", "--max-cells", "1"])
+
+
+def test_report_marks_missing_and_unfinished_cells_and_plan_prices_them(study, monkeypatch):
+    path, out, _ = study
+    assert study_mod.main([str(path), "--only", "*/seed0"]) == 0
+    monkeypatch.setenv("FAKE_DIE_AT", "2")
+    with pytest.raises(RuntimeError):
+        study_mod.main([str(path), "--only", "sao/seed1"])
+    st = study_mod.load_study(path)
+    figs = [study_mod.figures(c) for c in study_mod.cells(st)]
+    text = study_mod.report_text(st, figs, "img/x.png")
+    rows = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| ")}
+    assert "| sao/seed1 | unfinished (step 2) | 2 of 4 |" in text
+    assert "| grpo/seed1 | missing | 0 of 4 | - -> - |" in text
+    assert rows["sao"] == "| sao | 1 of 2 | 10.0% (n=1) | 50.0% (n=1) | +40.0 | 0 of 1 | 0.20 |"
+    assert rows["grpo"] == "| grpo | 1 of 2 | 10.0% (n=1) | 30.0% (n=1) | +20.0 | 0 of 1 | - |"
+    sao0 = next(f for f in figs if f.cell.name == "sao/seed0")
+    # episodes counted from the start of RL (40 before it: value pre-training's)
+    assert sao0.episodes == [(0.0, 0.1), (64.0, 0.5)] and sao0.walls == [(0.0, 0.1), (8.0, 0.5)]
+
+    plan = study_mod.plan_text(st, study_mod.cells(st))
+    assert "sao/seed1" in plan and "unfinished" in plan
+    # sao: 2 s per step measured; seed1 has 2 steps left (4 s), sao+k1/seed1 4 (8 s); grpo 8 s
+    assert "~0 min" in plan and "left: ~0.0 h" in plan
+    st.seconds_per_step = {"grpo": 600.0}  # a measured rate (grpo/seed0: 2 s) beats the hint
+    assert "(hint)" not in study_mod.plan_text(st, study_mod.cells(st))
+
+    # both seeds of every group done: mean ± s.e.
+    monkeypatch.delenv("FAKE_DIE_AT")
+    assert study_mod.main([str(path)]) == 0
+    figs = [study_mod.figures(c) for c in study_mod.cells(st)]
+    text = study_mod.report_text(st, figs, None)
+    assert "| sao | 2 of 2 | 10.5% ± 0.5 (n=2) | 50.5% ± 0.5 (n=2) | +40.0 ± 0.0 | 0 of 2 |" in text
+    img = out / "plot.png"
+    study_mod.plot(st, figs, img)
+    assert img.stat().st_size > 10_000
+
+
+def test_study_file_errors_name_the_field(tmp_path):
+    bad = tmp_path / "s.yaml"
+    bad.write_text("name: x\nconfig: c.yaml\nout: o\nrl_stesp: 3\nalgorithms: {sao: []}\n")
+    with pytest.raises(ValueError, match="did you mean 'rl_steps'"):
+        study_mod.load_study(bad)
+    bad.write_text("name: x\nconfig: c.yaml\nout: o\nalgorithms: {}\n")
+    with pytest.raises(ValueError, match="`algorithms` is empty"):
+        study_mod.load_study(bad)
+    bad.write_text(
+        "name: x\nconfig: c.yaml\nout: o\nalgorithms: {sao: []}\n"
+        "variants: {k1: {algorithms: [gpro]}}\n"
+    )
+    with pytest.raises(ValueError, match=r"variants.k1.algorithms names \['gpro'\]"):
+        study_mod.load_study(bad)
+    bad.write_text(
+        "name: x\nconfig: c.yaml\nout: o\nalgorithms: {sao: []}\ninclude_baseline: false\n"
+    )
+    with pytest.raises(ValueError, match="no `variants`"):
+        study_mod.load_study(bad)
+
+
+def test_a_finished_cell_that_collapsed_is_flagged(study):
+    """bench_stability's rule on the cell's batch rewards and entropies: reward from 0.5 to 0 and
+    entropy from 0.1 to 0.01 in the last half is a collapse; a steady run is not."""
+    path, out, _ = study
+    cell = study_mod.cells(study_mod.load_study(path))[0]
+    (cell.run_dir / "rl").mkdir(parents=True)
+    (cell.run_dir / "cell.json").write_text(json.dumps({"attempts": []}))
+    (cell.run_dir / "study_done.json").write_text("{}")
+
+    def write(rewards, entropies):
+        recs = [
+            {"step": i + 1, "time/rl_elapsed_s": i + 1.0, "reward/mean": r, "policy/entropy": e}
+            for i, (r, e) in enumerate(zip(rewards, entropies, strict=True))
+        ]
+        (cell.run_dir / "rl" / "metrics.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in recs)
+        )
+        return study_mod.figures(cell).collapsed
+
+    assert write([0.5] * 40, [0.1] * 40) is False
+    assert write([0.5] * 20 + [0.0] * 20, [0.1] * 20 + [0.01] * 20) is True
+
+
+def test_plan_of_a_study_not_started_prices_cells_from_the_hints(study):
+    path, _, _ = study
+    st = study_mod.load_study(path)
+    st.seconds_per_step = {"sao": 60.0, "grpo": 30.0}
+    lines = study_mod.plan_text(st, study_mod.cells(st)).splitlines()
+    assert lines[0].split() == ["sao/seed0", "missing", "step", "0/4", "~4", "min", "(hint)"]
+    assert lines[2].split()[-3:] == ["~2", "min", "(hint)"]  # grpo/seed0
+    assert lines[-1].startswith("left: ~0.3 h")  # 4 SAO cells x 4 min + 2 GRPO cells x 2 min

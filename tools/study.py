@@ -1,0 +1,592 @@
+"""A study: a matrix of `sao-train` runs (algorithm x variant x seed) from one shared start,
+run by one command that can be interrupted at any point and picked up later.
+
+    python tools/study.py examples/studies/quickstart_bounds.yaml            # run what is missing
+    python tools/study.py examples/studies/quickstart_bounds.yaml --plan     # cells, state, cost
+    python tools/study.py examples/studies/quickstart_bounds.yaml --report   # tables and plots
+    python tools/study.py STUDY.yaml --only 'sao*' --max-cells 2             # a part of it
+
+The study file (YAML) names the job config, the RL steps and evaluation every cell shares, the
+algorithms, the variants (ablations) and the seeds; each cell is one run folder
+``<out>/<algorithm>[+<variant>]/seed<N>`` with its provenance in ``cell.json`` (the exact
+command, and per attempt the commit, a dirty-tree flag, UTC start and end, load averages, the
+exit code and the RL steps done). Rerunning the command:
+
+* skips a finished cell (``study_done.json``; never rerun, whatever else changes);
+* continues an unfinished one in the same folder: `sao-train` resumes from the cell's latest
+  checkpoint (``checkpoint.save_interval`` of the study, default every 10 RL steps), so an
+  interruption loses at most that many steps;
+* refuses a cell whose folder holds another command (a changed study file), naming the cell
+  and the fix (delete the folder, or give the changed cell another variant name).
+
+Shared stages run once, into ``<out>/_shared``: the SFT start (``shared.sft``), and the value
+pre-training from it (``shared.value_pretrain``) that every cell whose algorithm has a value
+model starts from, unless its variant sets ``own_value_pretrain`` (a variant that changes the
+critic: it pre-trains its own). ``--report`` regenerates every table and the plot from the
+folders that exist and marks the cells that are missing or unfinished; two axes, always:
+held-out success against environment episodes consumed (robust to machine load) and against
+wall-clock (meaningful only for runs that had the cores to themselves: the load averages are in
+the per-cell table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import benchlib
+from benchlib import REPO, mean_se, seed_from_sft
+
+from sao_megatron.trainer.metrics import read_metrics
+
+DONE = "study_done.json"
+CELL = "cell.json"
+
+
+# ---------------------------------------------------------------------------- the study file
+@dataclass(kw_only=True)
+class Variant:
+    """One ablation: overrides on top of the algorithm's; `own_value_pretrain` when it changes
+    the critic (the shared pre-trained critic would not be its own); `algorithms`: the
+    algorithms it applies to (empty: all)."""
+
+    overrides: list[str] = field(default_factory=list)
+    own_value_pretrain: bool = False
+    algorithms: list[str] = field(default_factory=list)
+
+
+@dataclass(kw_only=True)
+class Study:
+    """The parsed study file; see examples/studies/*.yaml for every field in use.
+
+    Fields:
+        name: the study's name (plot file name; the BENCHMARKS section is `section`).
+        config: the job config every cell runs (path from the repository root).
+        out: the study's folder (cells, shared stages, report).
+        section: the docs/BENCHMARKS.md heading ``--report --write`` replaces.
+        overrides: job overrides of every run, shared stages included.
+        rl_steps: policy updates of every cell (its episode budget: the same trajectories per
+            batch for every algorithm means the same episodes per update).
+        num_eval_tasks / eval_interval: held-out tasks, evaluated before RL, every
+            `eval_interval` RL steps and after.
+        save_interval: RL checkpoint every this many steps (what an interruption can lose).
+        shared_sft / shared_value_pretrain: run these stages once for all cells (see module).
+        algorithms: name -> overrides; "sao", "grpo" and "grpo_dis" get the overrides of
+            `tools/bench_sao_vs_grpo.py` (`algo_overrides`) before their own.
+        variants: name -> `Variant`; "" is the baseline (no overrides), implied unless
+            `include_baseline` is false (a study of variants only, e.g. staleness bounds).
+        seeds: the seeds of every (algorithm, variant); seed N sets ``seed=N
+            tasks.train_seed=N+1 rollout.seed=N`` (the held-out set, tasks.eval_seed, is fixed).
+        group_size: GRPO's group (trajectories per task) for the named algorithms.
+        seconds_per_step: algorithm -> RL seconds per step measured on a short run, for
+            `--plan` until a cell of that algorithm has run (the study's own rate replaces it).
+    """
+
+    name: str
+    config: str
+    out: str
+    section: str = ""
+    overrides: list[str] = field(default_factory=list)
+    rl_steps: int = 50
+    num_eval_tasks: int = 128
+    eval_interval: int = 0
+    save_interval: int = 10
+    shared_sft: bool = True
+    shared_value_pretrain: bool = True
+    algorithms: dict[str, list[str]] = field(default_factory=dict)
+    variants: dict[str, Variant] = field(default_factory=dict)
+    include_baseline: bool = True
+    seeds: list[int] = field(default_factory=lambda: [0])
+    group_size: int = 8
+    seconds_per_step: dict[str, float] = field(default_factory=dict)
+
+
+def load_study(path: str | Path) -> Study:
+    """A `Study` from a YAML file (OmegaConf structured: an unknown or misspelt key is an error
+    naming it; `sao_megatron.configs.load_config`)."""
+    from sao_megatron.configs import load_config
+
+    study = load_config(Study, path)
+    if not study.algorithms:
+        raise ValueError(f"{path}: `algorithms` is empty: name at least one (e.g. sao: [])")
+    if not study.include_baseline and not study.variants:
+        raise ValueError(f"{path}: include_baseline is false and there are no `variants`")
+    if study.rl_steps < 1 or study.save_interval < 0:
+        raise ValueError(f"{path}: rl_steps must be >= 1 and save_interval >= 0")
+    for name, v in study.variants.items():
+        unknown = [a for a in v.algorithms if a not in study.algorithms]
+        if unknown:
+            raise ValueError(
+                f"{path}: variants.{name}.algorithms names {unknown}, not in `algorithms` "
+                f"({sorted(study.algorithms)})"
+            )
+    return study
+
+
+# ---------------------------------------------------------------------------- cells
+@dataclass
+class Cell:
+    algorithm: str
+    variant: str  # "" = the baseline
+    seed: int
+    run_dir: Path
+    overrides: list[str]  # the job's, after the config path
+    needs_value_model: bool
+    own_value_pretrain: bool
+
+    @property
+    def group(self) -> str:
+        return self.algorithm + (f"+{self.variant}" if self.variant else "")
+
+    @property
+    def name(self) -> str:
+        return f"{self.group}/seed{self.seed}"
+
+
+def _algorithm_overrides(study: Study, name: str, base) -> list[str]:
+    if name in ("sao", "grpo", "grpo_dis"):
+        from bench_sao_vs_grpo import algo_overrides
+
+        return [
+            o
+            for o in algo_overrides(name, study.group_size, False, base)
+            if not o.startswith("stages=")
+        ]
+    return []
+
+
+def cells(study: Study) -> list[Cell]:
+    """Every cell of the study, in run order: seed-major (a cut-short study has every
+    algorithm on its first seeds), then algorithm, then variant."""
+    from sao_megatron.algorithm import registry
+    from sao_megatron.configs import load_config
+    from sao_megatron.trainer.job import JobConfig
+
+    base = load_config(JobConfig, REPO / study.config, study.overrides)
+    variants = {"": Variant()} if study.include_baseline else {}
+    variants |= study.variants
+    out = []
+    for seed in study.seeds:
+        for algo, algo_user in study.algorithms.items():
+            algo_ov = [*_algorithm_overrides(study, algo, base), *algo_user]
+            for vname, v in variants.items():
+                if v.algorithms and algo not in v.algorithms:
+                    continue
+                job = load_config(
+                    JobConfig, REPO / study.config, [*study.overrides, *algo_ov, "stages=[rl]"]
+                )
+                needs_value = registry.build(job.algorithm).needs_value_model
+                own_vp = needs_value and (v.own_value_pretrain or not study.shared_value_pretrain)
+                stages = "[value_pretrain,rl]" if own_vp else "[rl]"
+                if not study.shared_sft:
+                    stages = "[sft,value_pretrain,rl]" if needs_value else "[sft,rl]"
+                group = algo + (f"+{vname}" if vname else "")
+                run_dir = Path(study.out) / group / f"seed{seed}"
+                overrides = [
+                    *study.overrides,
+                    *algo_ov,
+                    *v.overrides,
+                    f"stages={stages}",
+                    f"rl.steps={study.rl_steps}",
+                    f"tasks.num_eval_tasks={study.num_eval_tasks}",
+                    f"rl.eval_interval={study.eval_interval}",
+                    f"checkpoint.save_interval={study.save_interval}",
+                    "logging.console=false",
+                    f"seed={seed}",
+                    f"tasks.train_seed={seed + 1}",
+                    f"rollout.seed={seed}",
+                ]
+                out.append(Cell(algo, vname, seed, run_dir, overrides, needs_value, own_vp))
+    return out
+
+
+def state(cell: Cell) -> str:
+    """ "done", "unfinished" (started, not done: it resumes) or "missing"."""
+    if (cell.run_dir / DONE).exists():
+        return "done"
+    return "unfinished" if (cell.run_dir / CELL).exists() else "missing"
+
+
+def _rl_steps_done(run_dir: Path) -> int:
+    try:
+        return max((int(r["step"]) for r in read_metrics(run_dir / "rl") if "step" in r), default=0)
+    except FileNotFoundError:
+        return 0
+
+
+def _command(study: Study, run_dir: Path, overrides: list[str]) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "sao_megatron.cli.train",
+        study.config,
+        f"run_dir={run_dir}",
+        *overrides,
+    ]
+
+
+def _attempt(run_dir: Path, cmd: list[str], what: str) -> int:
+    """Run `cmd` once into run_dir (log appended to run_dir/job.log), recording the attempt's
+    provenance in run_dir/cell.json; returns its exit code."""
+    record = json.loads((run_dir / CELL).read_text())
+    attempt = {
+        "commit": benchlib._git("rev-parse", "--short", "HEAD"),
+        "dirty": bool(benchlib._git("status", "--porcelain", "--untracked-files=no")),
+        "start_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        "loadavg_start": os.getloadavg()[0],
+        "rl_steps_before": _rl_steps_done(run_dir),
+    }
+    print(f"[study] {what}: {' '.join(cmd)}", flush=True)
+    t0 = time.perf_counter()
+    with open(run_dir / "job.log", "a") as log:
+        log.write(
+            f"\n===== study attempt {len(record['attempts']) + 1}, {attempt['start_utc']} UTC\n"
+        )
+        log.flush()
+        rc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
+    attempt |= {
+        "end_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "loadavg_end": os.getloadavg()[0],
+        "exit_code": rc,
+        "rl_steps_after": _rl_steps_done(run_dir),
+    }
+    record["attempts"].append(attempt)
+    (run_dir / CELL).write_text(json.dumps(record, indent=1))
+    print(f"[study]   exit {rc} after {attempt['wall_s']:.0f} s", flush=True)
+    return rc
+
+
+def _run_folder(study: Study, run_dir: Path, overrides: list[str], what: str, prepare=None) -> None:
+    """Run one job into run_dir to its end, once: skip when done, resume when unfinished, refuse
+    another job's folder. Raises RuntimeError with the log's tail when the job fails."""
+    cmd = _command(study, run_dir, overrides)
+    spec = {"config": study.config, "overrides": overrides}
+    if (run_dir / DONE).exists():
+        return
+    if (run_dir / CELL).exists():
+        old = json.loads((run_dir / CELL).read_text())
+        if {k: old.get(k) for k in spec} != spec:
+            raise RuntimeError(
+                f"{what}: {run_dir} holds another job ({old.get('overrides')}); the study file "
+                "changed this cell: delete the folder to rerun it, or give the change a variant "
+                "of its own"
+            )
+        what += f" (resuming at RL step {_rl_steps_done(run_dir)})"
+    else:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if prepare is not None:
+            prepare(run_dir)
+        (run_dir / CELL).write_text(json.dumps({**spec, "command": cmd, "attempts": []}, indent=1))
+    rc = _attempt(run_dir, cmd, what)
+    if rc != 0:
+        tail = "\n".join((run_dir / "job.log").read_text().splitlines()[-30:])
+        raise RuntimeError(
+            f"{what} failed (exit {rc}); rerun the study to resume it. Log "
+            f"{run_dir / 'job.log'}:\n{tail}"
+        )
+    (run_dir / DONE).write_text(json.dumps({"rl_steps": _rl_steps_done(run_dir)}))
+
+
+def _shared_dirs(study: Study) -> tuple[Path, Path]:
+    shared = Path(study.out) / "_shared"
+    return shared / "sft", shared / "value_pretrain"
+
+
+def run(study: Study, todo: list[Cell]) -> None:
+    """Run the shared stages the cells need, then each cell not done, in order."""
+    sft_dir, vp_dir = _shared_dirs(study)
+    if study.shared_sft:
+        _run_folder(
+            study,
+            sft_dir,
+            [*study.overrides, "stages=[sft]", "tasks.num_eval_tasks=0", "logging.console=false"],
+            "shared SFT",
+        )
+    needs_vp = any(c.needs_value_model and not c.own_value_pretrain for c in todo)
+    if needs_vp and study.shared_value_pretrain:
+        _run_folder(
+            study,
+            vp_dir,
+            [
+                *study.overrides,
+                "stages=[value_pretrain]",
+                "tasks.num_eval_tasks=0",
+                "logging.console=false",
+            ],
+            "shared value pre-training",
+            prepare=(lambda d: seed_from_sft(sft_dir, d)) if study.shared_sft else None,
+        )
+    for i, cell in enumerate(todo, 1):
+
+        def prepare(run_dir: Path, cell=cell) -> None:
+            if study.shared_sft:
+                seed_from_sft(sft_dir, run_dir)
+            if cell.needs_value_model and not cell.own_value_pretrain:
+                shutil.copytree(vp_dir / "checkpoints" / "rl", run_dir / "checkpoints" / "rl")
+
+        _run_folder(
+            study,
+            cell.run_dir,
+            cell.overrides,
+            f"cell {i}/{len(todo)} {cell.name}",
+            prepare=prepare,
+        )
+
+
+# ---------------------------------------------------------------------------- report
+@dataclass
+class CellFigures:
+    cell: Cell
+    state: str
+    steps: int
+    before: float | None  # held-out success before RL
+    after: float | None  # after the last RL step (None while unfinished)
+    episodes: list[tuple[float, float]]  # (episodes consumed in RL, held-out success)
+    walls: list[tuple[float, float]]  # (RL wall-clock s, held-out success)
+    wall_s: float | None
+    loadavg: float | None  # the highest load average recorded at an attempt's start or end
+    ev_mean: float | None  # the critic's explained variance before its updates, mean over RL
+    collapsed: bool | None = None  # tools/bench_stability.py's rule, on finished cells
+
+
+def figures(cell: Cell) -> CellFigures:
+    st = state(cell)
+    empty = CellFigures(cell, st, 0, None, None, [], [], None, None, None)
+    if st == "missing" or not (cell.run_dir / "rl" / "metrics.jsonl").exists():
+        return empty
+    recs = [r for r in read_metrics(cell.run_dir / "rl") if "time/rl_elapsed_s" in r]
+    if not recs:
+        return empty
+    first = recs[0].get("rollout/episodes_started", 0.0) - recs[0].get("batch/num_trajectories", 0)
+    by_step = {int(r["step"]): r for r in recs}
+    evals = []
+    path = cell.run_dir / "rl" / "eval.jsonl"
+    if path.exists():
+        evals = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        evals = [e for e in evals if "eval/success_rate" in e]
+    ep, wall = [], []
+    for e in evals:
+        step = int(e.get("step", 0))
+        r = by_step.get(step)
+        if step == 0:
+            ep.append((0.0, e["eval/success_rate"]))
+            wall.append((0.0, e["eval/success_rate"]))
+        elif r is not None:
+            ep.append((r.get("rollout/episodes_started", 0.0) - first, e["eval/success_rate"]))
+            wall.append((r["time/rl_elapsed_s"], e["eval/success_rate"]))
+    record = json.loads((cell.run_dir / CELL).read_text())
+    loads = [a.get(k) for a in record["attempts"] for k in ("loadavg_start", "loadavg_end")]
+    evs = [
+        r["value/explained_variance_before"]
+        for r in recs
+        if r.get("value/explained_variance_before") is not None
+    ]
+    evs = [x for x in evs if x == x]
+    before = ep[0][1] if ep and ep[0][0] == 0.0 else None
+    collapsed = None
+    rewards = [r.get("reward/mean") for r in recs]
+    entropies = [r.get("policy/entropy") for r in recs]
+    if st == "done" and None not in rewards and None not in entropies:
+        from bench_stability import collapsed as collapse_rule
+
+        collapsed = collapse_rule(rewards, entropies)
+    return CellFigures(
+        cell=cell,
+        state=st,
+        steps=int(recs[-1]["step"]),
+        before=before,
+        after=ep[-1][1] if st == "done" and len(ep) > 1 else None,
+        episodes=ep,
+        walls=wall,
+        wall_s=recs[-1]["time/rl_elapsed_s"],
+        loadavg=max((x for x in loads if x is not None), default=None),
+        ev_mean=sum(evs) / len(evs) if evs else None,
+        collapsed=collapsed,
+    )
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _mse(xs: list[float | None]) -> str:
+    m, se, n = mean_se(xs)
+    if n == 0:
+        return "-"
+    return f"{100 * m:.1f}%" + (f" ± {100 * se:.1f}" if n > 1 else "") + f" (n={n})"
+
+
+def report_text(study: Study, figs: list[CellFigures], plot_rel: str | None) -> str:
+    """The study's markdown: the matrix by group over seeds, then one row per cell."""
+    groups: dict[str, list[CellFigures]] = {}
+    for f in figs:
+        groups.setdefault(f.cell.group, []).append(f)
+    done = sum(f.state == "done" for f in figs)
+    lines = [
+        f"Study file `{study.name}`: `python tools/study.py STUDY.yaml` runs it (resumable), "
+        f"`--report` regenerates this section. Config `{study.config}`, {study.rl_steps} RL "
+        f"steps a cell, {study.num_eval_tasks} held-out tasks; {done} of {len(figs)} cells "
+        "done. Mean ± standard error over the finished seeds; 'collapsed': the rule of "
+        "tools/bench_stability.py (last-quarter batch reward below half the best 10-update "
+        "mean and entropy moved > 50%).",
+        "",
+        "| algorithm + variant | seeds done | held-out before | held-out after | after - before "
+        "| collapsed | critic EV during RL |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for g, fs in groups.items():
+        fin = [f for f in fs if f.state == "done"]
+        deltas = [f.after - f.before for f in fin if f.after is not None and f.before is not None]
+        m, se, n = mean_se(deltas)
+        delta = "-" if not n else f"{100 * m:+.1f}" + (f" ± {100 * se:.1f}" if n > 1 else "")
+        ev = mean_se([f.ev_mean for f in fin])
+        judged = [f.collapsed for f in fin if f.collapsed is not None]
+        collapses = f"{sum(judged)} of {len(judged)}" if judged else "-"
+        lines.append(
+            f"| {g} | {len(fin)} of {len(fs)} | {_mse([f.before for f in fin])} | "
+            f"{_mse([f.after for f in fin])} | {delta} | {collapses} | "
+            f"{'-' if not ev[2] else f'{ev[0]:.2f}'} |"
+        )
+    lines += [
+        "",
+        "| cell | state | RL steps | held-out before -> after | RL wall s | max load avg |",
+        "|---|---|---|---|---|---|",
+    ]
+    for f in figs:
+        st = f.state if f.state != "unfinished" else f"unfinished (step {f.steps})"
+        wall = "-" if f.wall_s is None else f"{f.wall_s:.0f}"
+        load = "-" if f.loadavg is None else f"{f.loadavg:.1f}"
+        lines.append(
+            f"| {f.cell.name} | {st} | {f.steps} of {study.rl_steps} | "
+            f"{_pct(f.before)} -> {_pct(f.after)} | {wall} | {load} |"
+        )
+    if plot_rel:
+        lines += ["", f"![{study.name}]({plot_rel})"]
+    return "\n".join(lines)
+
+
+def plot(study: Study, figs: list[CellFigures], path: Path) -> None:
+    """Held-out success against episodes consumed (left) and RL wall-clock (right), one thin
+    line per finished or unfinished cell, coloured by group."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    groups = list(dict.fromkeys(f.cell.group for f in figs))
+    for f in figs:
+        if not f.episodes:
+            continue
+        c = colours[groups.index(f.cell.group) % len(colours)]
+        label = (
+            f.cell.group
+            if f.cell.seed == min(x.cell.seed for x in figs if x.cell.group == f.cell.group)
+            else None
+        )
+        style = "-" if f.state == "done" else ":"
+        for ax, pts in ((axes[0], f.episodes), (axes[1], f.walls)):
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                style,
+                color=c,
+                alpha=0.8,
+                marker=".",
+                label=label,
+            )
+    axes[0].set_xlabel("environment episodes consumed in RL")
+    axes[1].set_xlabel("RL wall-clock (s; see the load averages)")
+    axes[0].set_ylabel("held-out success")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{study.name}: one line per cell (dotted: unfinished)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------- plan
+def plan_text(study: Study, all_cells: list[Cell]) -> str:
+    """Each cell's state, and the 2-core time left estimated from the RL seconds per step the
+    study's own cells of the same algorithm measured, else the study file's `seconds_per_step`
+    hint (marked), else "unknown" (run one cell first)."""
+    per_step: dict[str, list[float]] = {}
+    figs = [figures(c) for c in all_cells]
+    for f in figs:
+        if f.wall_s and f.steps:
+            per_step.setdefault(f.cell.algorithm, []).append(f.wall_s / f.steps)
+    lines, left, unknown = [], 0.0, []
+    for f in figs:
+        rate = per_step.get(f.cell.algorithm)
+        rate_s = sum(rate) / len(rate) if rate else study.seconds_per_step.get(f.cell.algorithm)
+        remaining = study.rl_steps - f.steps if f.state != "done" else 0
+        est = "-"
+        if remaining and rate_s:
+            left += remaining * rate_s
+            est = f"~{remaining * rate_s / 60:.0f} min" + ("" if rate else " (hint)")
+        elif remaining:
+            unknown.append(f.cell.name)
+            est = "unknown"
+        lines.append(f"{f.cell.name:40s} {f.state:11s} step {f.steps:4d}/{study.rl_steps}  {est}")
+    lines.append(f"left: ~{left / 3600:.1f} h of RL (measured rates, else the study's hints)")
+    if unknown:
+        lines.append(f"unknown rate (no cell of the algorithm has run yet): {len(unknown)} cells")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("study", help="the study file (examples/studies/*.yaml)")
+    ap.add_argument("--plan", action="store_true", help="print each cell's state and cost left")
+    ap.add_argument("--report", action="store_true", help="tables and plot from the runs there")
+    ap.add_argument(
+        "--write",
+        action="store_true",
+        help="with --report: replace the study's section of docs/BENCHMARKS.md",
+    )
+    ap.add_argument(
+        "--only",
+        default="*",
+        help="run only cells whose name ('sao+variant/seed0') matches this glob",
+    )
+    ap.add_argument("--max-cells", type=int, default=0, help="run at most this many cells")
+    args = ap.parse_args(argv)
+    study = load_study(args.study)
+    all_cells = cells(study)
+    if args.plan:
+        print(plan_text(study, all_cells))
+        return 0
+    if args.report:
+        figs = [figures(c) for c in all_cells]
+        img = REPO / "docs" / "img" / f"study_{benchlib.section_slug(study.name)}.png"
+        plot(study, figs, img)
+        text = report_text(study, figs, f"img/{img.name}")
+        print(text)
+        if args.write:
+            if not study.section:
+                raise SystemExit(f"{args.study}: --write needs `section` (a BENCHMARKS heading)")
+            benchlib.write_section(study.section, text + "\n\n" + benchlib.READING)
+        return 0
+    todo = [c for c in all_cells if fnmatch.fnmatch(c.name, args.only) and state(c) != "done"]
+    if args.max_cells:
+        todo = todo[: args.max_cells]
+    print(f"[study] {study.name}: {len(todo)} cell(s) to run of {len(all_cells)}", flush=True)
+    run(study, todo)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
