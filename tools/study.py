@@ -363,16 +363,21 @@ def figures(cell: Cell) -> CellFigures:
     empty = CellFigures(cell, st, 0, None, None, [], [], None, None, None)
     if st == "missing" or not (cell.run_dir / "rl" / "metrics.jsonl").exists():
         return empty
-    recs = [r for r in read_metrics(cell.run_dir / "rl") if "time/rl_elapsed_s" in r]
+    # a run killed between checkpoints redoes the steps after its last one when it resumes,
+    # appending them again: the last record of a step is the one the run went on from
+    by_step = {
+        int(r["step"]): r for r in read_metrics(cell.run_dir / "rl") if "time/rl_elapsed_s" in r
+    }
+    recs = [by_step[k] for k in sorted(by_step)]
     if not recs:
         return empty
     first = recs[0].get("rollout/episodes_started", 0.0) - recs[0].get("batch/num_trajectories", 0)
-    by_step = {int(r["step"]): r for r in recs}
     evals = []
     path = cell.run_dir / "rl" / "eval.jsonl"
     if path.exists():
         evals = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-        evals = [e for e in evals if "eval/success_rate" in e]
+        last = {int(e.get("step", 0)): e for e in evals if "eval/success_rate" in e}
+        evals = [last[k] for k in sorted(last)]
     ep, wall = [], []
     for e in evals:
         step = int(e.get("step", 0))

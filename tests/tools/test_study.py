@@ -42,7 +42,8 @@ assert (run_dir / "checkpoints" / "rl" / "step_00000000").is_dir() == sao, "crit
 rl = run_dir / "rl"; rl.mkdir(exist_ok=True)
 metrics = rl / "metrics.jsonl"
 done = [json.loads(x)["step"] for x in metrics.read_text().splitlines()] if metrics.exists() else []
-start = max(done, default=0)
+every = int(ov["checkpoint.save_interval"])
+start = max(done, default=0) // every * every  # resumes from its last checkpoint
 die_at = int(os.environ.get("FAKE_DIE_AT", "0"))
 if not done:
     with open(rl / "eval.jsonl", "a") as f:
@@ -131,8 +132,13 @@ def test_shared_stages_once_interrupted_cell_resumes_and_done_cells_never_rerun(
         (0, 3),
         (3, 4),
     ]
+    # it died after step 3 and resumed from its step-2 checkpoint: step 3 logged twice, the
+    # report reads the last record of each step
     metrics = (out / "sao" / "seed0" / "rl" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(x)["step"] for x in metrics] == [1, 2, 3, 4]  # no step redone or lost
+    assert [json.loads(x)["step"] for x in metrics] == [1, 2, 3, 3, 4]
+    cells = {c.name: c for c in study_mod.cells(study_mod.load_study(path))}
+    figs = study_mod.figures(cells["sao/seed0"])
+    assert figs.steps == 4 and figs.episodes == [(0.0, 0.1), (64.0, 0.5)]
     # SAO cells start from the shared pre-trained critic, GRPO's from the SFT start only
     assert (out / "sao+k1" / "seed1" / "checkpoints" / "rl" / "step_00000000" / "critic").exists()
     assert (out / "grpo" / "seed1" / "checkpoints" / "sft" / "step_00000010").is_dir()
