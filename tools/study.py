@@ -244,12 +244,12 @@ def _attempt(run_dir: Path, cmd: list[str], what: str) -> int:
         "loadavg_start": os.getloadavg()[0],
         "rl_steps_before": _rl_steps_done(run_dir),
     }
+    record["attempts"].append(attempt)  # written before the job: a killed attempt shows
+    (run_dir / CELL).write_text(json.dumps(record, indent=1))
     print(f"[study] {what}: {' '.join(cmd)}", flush=True)
     t0 = time.perf_counter()
     with open(run_dir / "job.log", "a") as log:
-        log.write(
-            f"\n===== study attempt {len(record['attempts']) + 1}, {attempt['start_utc']} UTC\n"
-        )
+        log.write(f"\n===== study attempt {len(record['attempts'])}, {attempt['start_utc']} UTC\n")
         log.flush()
         rc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
     attempt |= {
@@ -259,7 +259,6 @@ def _attempt(run_dir: Path, cmd: list[str], what: str) -> int:
         "exit_code": rc,
         "rl_steps_after": _rl_steps_done(run_dir),
     }
-    record["attempts"].append(attempt)
     (run_dir / CELL).write_text(json.dumps(record, indent=1))
     print(f"[study]   exit {rc} after {attempt['wall_s']:.0f} s", flush=True)
     return rc
@@ -356,6 +355,7 @@ class CellFigures:
     loadavg: float | None  # the highest load average recorded at an attempt's start or end
     ev_mean: float | None  # the critic's explained variance before its updates, mean over RL
     collapsed: bool | None = None  # tools/bench_stability.py's rule, on finished cells
+    attempts: int = 1  # jobs run into the folder (> 1: resumed; its RL clock is the last one's)
 
 
 def figures(cell: Cell) -> CellFigures:
@@ -371,7 +371,12 @@ def figures(cell: Cell) -> CellFigures:
     recs = [by_step[k] for k in sorted(by_step)]
     if not recs:
         return empty
-    first = recs[0].get("rollout/episodes_started", 0.0) - recs[0].get("batch/num_trajectories", 0)
+    episodes = _across_restarts(
+        [r.get("rollout/episodes_started", 0.0) for r in recs],
+        recs[0].get("rollout/episodes_started", 0.0) - recs[0].get("batch/num_trajectories", 0),
+    )
+    clock = _across_restarts([r["time/rl_elapsed_s"] for r in recs], 0.0)
+    at = {int(r["step"]): i for i, r in enumerate(recs)}
     evals = []
     path = cell.run_dir / "rl" / "eval.jsonl"
     if path.exists():
@@ -381,13 +386,12 @@ def figures(cell: Cell) -> CellFigures:
     ep, wall = [], []
     for e in evals:
         step = int(e.get("step", 0))
-        r = by_step.get(step)
         if step == 0:
             ep.append((0.0, e["eval/success_rate"]))
             wall.append((0.0, e["eval/success_rate"]))
-        elif r is not None:
-            ep.append((r.get("rollout/episodes_started", 0.0) - first, e["eval/success_rate"]))
-            wall.append((r["time/rl_elapsed_s"], e["eval/success_rate"]))
+        elif step in at:
+            ep.append((episodes[at[step]], e["eval/success_rate"]))
+            wall.append((clock[at[step]], e["eval/success_rate"]))
     record = json.loads((cell.run_dir / CELL).read_text())
     loads = [a.get(k) for a in record["attempts"] for k in ("loadavg_start", "loadavg_end")]
     evs = [
@@ -412,11 +416,26 @@ def figures(cell: Cell) -> CellFigures:
         after=ep[-1][1] if st == "done" and len(ep) > 1 else None,
         episodes=ep,
         walls=wall,
-        wall_s=recs[-1]["time/rl_elapsed_s"],
+        wall_s=clock[-1],
         loadavg=max((x for x in loads if x is not None), default=None),
         ev_mean=sum(evs) / len(evs) if evs else None,
         collapsed=collapsed,
+        attempts=len(record["attempts"]),
     )
+
+
+def _across_restarts(values: list[float], baseline: float) -> list[float]:
+    """A per-process running count (episodes started, the RL clock) made continuous across
+    the processes of a resumed run: each process counts from 0 again, so a value below its
+    predecessor starts a new process, whose values add to where the last one left off.
+    `baseline`: what the first process had counted before RL (value pre-training's episodes)."""
+    out, offset, prev = [], -baseline, None
+    for v in values:
+        if prev is not None and v < prev:
+            offset = out[-1]  # a restart: this process's count starts after the last one's
+        out.append(v + offset)
+        prev = v
+    return out
 
 
 def _pct(x: float | None) -> str:
@@ -469,6 +488,8 @@ def report_text(study: Study, figs: list[CellFigures], plot_rel: str | None) -> 
     for f in figs:
         st = f.state if f.state != "unfinished" else f"unfinished (step {f.steps})"
         wall = "-" if f.wall_s is None else f"{f.wall_s:.0f}"
+        if f.attempts > 1:
+            wall += f" ({f.attempts} attempts: not comparable)"
         load = "-" if f.loadavg is None else f"{f.loadavg:.1f}"
         lines.append(
             f"| {f.cell.name} | {st} | {f.steps} of {study.rl_steps} | "
@@ -576,9 +597,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.report:
         figs = [figures(c) for c in all_cells]
-        img = REPO / "docs" / "img" / f"study_{benchlib.section_slug(study.name)}.png"
+        img_name = f"study_{benchlib.section_slug(study.name)}.png"
+        img = (REPO / "docs" / "img" if args.write else Path(study.out)) / img_name
         plot(study, figs, img)
-        text = report_text(study, figs, f"img/{img.name}")
+        text = report_text(study, figs, f"img/{img.name}" if args.write else str(img))
         print(text)
         if args.write:
             if not study.section:

@@ -139,6 +139,9 @@ def test_shared_stages_once_interrupted_cell_resumes_and_done_cells_never_rerun(
     cells = {c.name: c for c in study_mod.cells(study_mod.load_study(path))}
     figs = study_mod.figures(cells["sao/seed0"])
     assert figs.steps == 4 and figs.episodes == [(0.0, 0.1), (64.0, 0.5)]
+    # a resumed process counts episodes and its clock from 0 again: made continuous
+    assert study_mod._across_restarts([56, 72, 88, 16, 32], 40) == [16, 32, 48, 64, 80]
+    assert study_mod._across_restarts([2.0, 4.0, 1.5, 3.0], 0.0) == [2.0, 4.0, 5.5, 7.0]
     # SAO cells start from the shared pre-trained critic, GRPO's from the SFT start only
     assert (out / "sao+k1" / "seed1" / "checkpoints" / "rl" / "step_00000000" / "critic").exists()
     assert (out / "grpo" / "seed1" / "checkpoints" / "sft" / "step_00000010").is_dir()
