@@ -38,6 +38,12 @@ from sao_megatron.rollout import serve as remote
 from sao_megatron.rollout.engines import EngineFleet
 from sao_megatron.rollout.manager import RolloutManager
 from sao_megatron.trainer import report, runtime, signals
+from sao_megatron.trainer.batch_record import (
+    BATCHES_DIR,
+    BatchRecorder,
+    BatchReplay,
+    MissingBatch,
+)
 from sao_megatron.trainer.checkpoint import (
     CheckpointManager,
     CommonState,
@@ -116,6 +122,8 @@ class Controller:
         self.run_dir = Path(job.run_dir)
         self.summary: dict[str, float] = {}
         self._fleet: EngineFleet | None = None  # rank 0's engines, once started or requested
+        # rl.replay_batches without held-out evaluation: RL needs no engine at all
+        self.needs_engines = job.rl.replay_batches is None or job.tasks.num_eval_tasks > 0
 
     # ------------------------------------------------------------------ helpers
     def _ckpt(self, stage: str) -> CheckpointManager:
@@ -226,7 +234,8 @@ class Controller:
         engines or `rollout.engine_urls` lists them.
         """
         job = self.job
-        if not ({"value_pretrain", "rl"} & set(job.stages)) or job.rollout.engine_urls:
+        later = {"value_pretrain", "rl"} & set(job.stages)
+        if not later or job.rollout.engine_urls or not self.needs_engines:
             return
         init_dir = self.run_dir / "rollout" / "hf_init"
         export_hf(policy_chunks, self.spec, self.hf_config, self.tokenizer, self.parallel, init_dir)
@@ -412,9 +421,10 @@ class Controller:
         fleet = None
         if policy is not None:  # the value ranks of a role split never own engine weights
             export_hf(policy.unwrapped, self.spec, self.hf_config, self.tokenizer, rp, hf_dir)
-            fleet = self._fleet_serving(policy.unwrapped, hf_dir, run.policy_version)
+            if self.needs_engines:
+                fleet = self._fleet_serving(policy.unwrapped, hf_dir, run.policy_version)
         rollout = None
-        if self.rank0:  # a resumed run's engines serve the checkpoint's weights as its version
+        if self.rank0 and self.needs_engines:  # a resumed run's engines serve its version
             self._fleet = fleet or self._new_fleet(hf_dir, run.policy_version)
             rollout = RolloutManager(
                 job.rollout,
@@ -472,7 +482,7 @@ class Controller:
             job.value_pretrain if "value_pretrain" in job.stages else ValuePretrainConfig(),
             rl.step_fn,
             rl.run,
-            next_trajectories=lambda version: self._next_trajectories(rl.rollout, version),
+            next_trajectories=lambda version: self._pretrain_trajectories(rl.rollout, version),
             pack=self._pack,
             gather_metrics=lambda m: broadcast_from_last_stage(m, self.train_parallel),
             logger=lambda total, initial: self._logger("value_pretrain", total, initial),
@@ -495,11 +505,16 @@ class Controller:
         job, run, step_fn, timer, m = self.job, rl.run, rl.step_fn, Timer(), {}
         out_of_time = stop = False
         ahead = None  # role split: (batch, bound) the critic trained on while the policy trained
+        self._open_batch_record()
+        saved = run.step  # the last step a checkpoint holds
         with self._logger("rl", job.rl.steps, run.step) as logger:
             while run.step < job.rl.steps and not (out_of_time and ahead is None):
                 value_done = ahead is not None  # this batch's value work ran ahead
                 with timer.phase("rollout"):
-                    batch, bound = ahead if value_done else self._pull(rl, run.policy_version)
+                    pulled = ahead if value_done else self._pull(rl, run.step + 1)
+                if pulled is None:  # rl.replay_batches: the recorded run ends before this step
+                    break
+                batch, bound = pulled
                 reset_peak_memory()  # memory/peak_* below = this update's peak
                 if self.roles is None:
                     with timer.phase("train"):
@@ -518,7 +533,7 @@ class Controller:
                     m |= rl.rollout.observe_step(m)
                 mem = peak_memory_gib()
                 run.step, run.policy_version = run.step + 1, run.policy_version + 1
-                if not self.value_rank:
+                if not self.value_rank and self.needs_engines:
                     with timer.phase("sync"):
                         m |= publish_policy(
                             step_fn.policy.unwrapped,
@@ -550,17 +565,69 @@ class Controller:
                 if ending or rl.checkpoints.should_save(run.step) or (run.step == job.rl.steps):
                     with timer.phase("checkpoint"):  # logged with the next step
                         self._save_rl(rl)
+                        saved = run.step
                 if stop and ahead is None:  # saved at this step; rl_stage's finally stops engines
                     ckpt = rl.checkpoints.save_dir / step_dir_name(run.step)
                     raise signals.StoppedBySignal(run.step, ckpt)
         if self.roles is not None:
             step_fn.flush()
+        if saved != run.step:  # a replay that ran out of recorded steps: keep what it trained
+            self._save_rl(rl)
         return m
 
-    def _pull(self, rl: RLParts, version: int) -> tuple:
-        """The next batch and its per-token bound on every rank (`_next_batch`,
-        `_trained_bound`; rank 0 pulls, the world receives)."""
-        return self._next_batch(rl.rollout, version), self._trained_bound(rl.rollout)
+    def _open_batch_record(self) -> None:
+        """The recorder (``rl.record_batches``, rank 0) and the replayed folder
+        (``rl.replay_batches``, read by rank 0) of this RL stage, or None."""
+        cfg = self.job.rl
+        self._recorder = self._replay = None
+        if cfg.record_batches and self.rank0:
+            self._recorder = BatchRecorder(self.run_dir / BATCHES_DIR)
+        if cfg.replay_batches is not None and self.rank0:
+            self._replay = BatchReplay(cfg.replay_batches, self.job.model.max_position_embeddings)
+
+    def _pull(self, rl: RLParts, step: int) -> tuple | None:
+        """Train step `step`'s batch and its per-token bound on every rank: rank 0 pulls them
+        from the rollout (`_next_trajectories`, `_trained_bound`) and records them with
+        ``rl.record_batches``, or reads them from ``rl.replay_batches``; the world receives.
+        None (on every rank) when the replayed run has no record of `step`."""
+        version = rl.run.policy_version + step - rl.run.step - 1  # the version trained at step
+        if self.job.rl.replay_batches is None:
+            trajs = self._next_trajectories(rl.rollout, version)
+            bound = self._trained_bound(rl.rollout)
+            if self._recorder is not None:
+                self._recorder.record(step, version, trajs, bound)
+            return self._pack(trajs), bound
+        got = None
+        if self.rank0:
+            try:
+                trajs, recorded, bound = self._replay.load(step)
+            except MissingBatch as e:
+                log.info("%s: the RL stage ends after step %d", e, step - 1)
+            else:
+                if recorded != version:
+                    raise ValueError(
+                        f"rl.replay_batches: step {step} was trained at policy version "
+                        f"{recorded} in the recorded run, this run is at {version}: resume from "
+                        "the recorded run's checkpoint of the step before the first replayed one"
+                    )
+                self.tasks.consume(len({t.task_id for t in trajs}))  # the cursor moves on too
+                got = (trajs, bound)
+        got = broadcast_from_rank0(got)
+        return None if got is None else (self._pack(got[0]), got[1])
+
+    def _pretrain_trajectories(self, rollout, version) -> list:
+        """Value pre-training's next trajectories (`_next_trajectories`); none are recorded.
+
+        Raises:
+            ValueError: with ``rl.replay_batches`` (value pre-training is not replayed).
+        """
+        if self.job.rl.replay_batches is not None:
+            raise ValueError(
+                "rl.replay_batches replays RL steps only, but this run still has value "
+                "pre-training to do: resume from a checkpoint after value pre-training (the "
+                "recorded run's checkpoints/rl/step_*) or set value_pretrain.steps=0"
+            )
+        return self._next_trajectories(rollout, version)
 
     def _pulls_ahead(self, rl: RLParts) -> bool:
         """Role split: whether this step hands out the next batch before the policy trains on
@@ -591,7 +658,7 @@ class Controller:
         ahead = None
         if pull:
             with timer.phase("rollout"):
-                ahead = self._pull(rl, version + 1)
+                ahead = self._pull(rl, rl.run.step + 2)
         with timer.phase("train"):
             if self.value_rank and ahead is not None:
                 m = step_fn.train_step(ahead[0], version + 1, max_staleness=ahead[1])
@@ -653,10 +720,6 @@ class Controller:
             },
         )
         self._save(rl.checkpoints, rl.states, common, split=self.roles is not None)
-
-    def _next_batch(self, rollout, version):
-        """The next training batch on every rank (rank 0 pulls it from the rollout)."""
-        return self._pack(self._next_trajectories(rollout, version))
 
     def _next_trajectories(self, rollout, version) -> list:
         """The next batch's trajectories on every rank (rank 0 pulls them from the rollout)."""

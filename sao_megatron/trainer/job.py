@@ -281,6 +281,16 @@ class RLConfig:
             exports and evaluates as usual. Start-up and held-out evaluations (before, during
             and after the stage) are not counted: the stage's clock stops while they run.
             Compares algorithms under the same wall-clock budget (tools/bench_sao_vs_grpo.py).
+        record_batches: rank 0 writes every batch the stage trains on (its trajectories with
+            each token's behaviour log-prob and policy version, the trainer's policy version)
+            to ``run_dir/rl/batches/step_XXXXXXXX.pt``, so the run can be replayed
+            (`sao_megatron.trainer.batch_record`; a resumed run continues the numbering).
+        replay_batches: a ``run_dir/rl/batches`` folder written by ``record_batches``: the
+            stage trains on those batches in step order, from the step the run resumes from,
+            instead of sampling (no engine is started for training; held-out evaluation still
+            starts engines unless tasks.num_eval_tasks=0). A missing step file ends the stage
+            there. tools/replay_batches.py replays steps K..N of a run from its step-K
+            checkpoint. None: batches come from the rollout.
     """
 
     steps: int = 20
@@ -289,10 +299,14 @@ class RLConfig:
     eval_interval_s: float = 0.0
     batch_timeout_s: float = 1800.0
     time_budget_s: float = 0.0
+    record_batches: bool = False
+    replay_batches: str | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 0:
             raise ValueError(f"rl.steps={self.steps}: must be >= 0")
+        if self.replay_batches is not None and not str(self.replay_batches):
+            raise ValueError("rl.replay_batches is empty: give a recorded folder, or null")
         if self.micro_batch_size < 1:
             raise ValueError(f"rl.micro_batch_size={self.micro_batch_size}: must be >= 1")
         if self.eval_interval < 0:
