@@ -344,7 +344,11 @@ def test_two_engines_share_uniform_load(engines, tmp_path):
     # completed requests follow each engine's speed (least outstanding work), not a fixed
     # split: on a shared 2-core machine one engine may run slower, yet both serve a real share
     reqs = [u[f"engine{i}"]["num_requests"] for i in range(2)]
-    assert min(reqs) >= 0.15 * sum(reqs), u
+    logs = [str(p.log_path) for p in engines]
+    # (failed once in a fresh-clone run, 2026-12-05: engine1 held 8 requests outstanding for
+    # the whole window and completed none, while its log showed no request and it answered the
+    # fixture's weight restore right after; cause not found)
+    assert min(reqs) >= 0.15 * sum(reqs), (u, logs)
 
 
 def test_killed_engine_is_restarted_and_loses_no_task(engines, tiny_models, tmp_path):

@@ -170,11 +170,24 @@ def test_a_recorded_run_replays_bit_identically(tmp_path, parallel_1rank, monkey
         assert whitened[step]["loss/policy"] != recorded[step]["loss/policy"]
         assert whitened[step]["policy/advantage_mean"] != recorded[step]["policy/advantage_mean"]
 
-    # the same replay as a user runs it: tools/replay_batches.py (a `sao-train` subprocess)
+    # tools/replay_batches.py runs this replay as `sao-train` with these overrides (a
+    # subprocess costs ~20 s more of the suite; the controller run above is the same job)
     tool = _tool()
-    tool.main(["--run", str(rec), "--checkpoint", str(rec / "checkpoints/rl/step_00000001"),
-               "--out", str(tmp_path / "tool")])  # fmt: skip
-    assert _records(tmp_path / "tool") == same
+    ckpt = rec / "checkpoints" / "rl" / "step_00000001"
+    cmd = tool.replay_command(rec, ckpt, tmp_path / "tool", ["algorithm.whiten_advantages=true"], 0)
+    assert cmd[3:] == [
+        str(rec / "config.yaml"),
+        f"run_dir={tmp_path / 'tool'}",
+        "stages=[rl]",
+        f"rl.replay_batches={folder}",
+        "rl.record_batches=false",
+        f"checkpoint.resume={ckpt}",
+        "tasks.num_eval_tasks=0",
+        "logging.console=false",
+        "algorithm.whiten_advantages=true",
+    ]
+    with pytest.raises(SystemExit, match="exists: a replay goes into a new folder"):
+        tool.main(["--run", str(rec), "--checkpoint", str(ckpt), "--out", str(tmp_path / "same")])
     table = tool.compare_text([rec, tmp_path / "whiten"])
     assert "| policy/advantage_mean (Q1 / Q2 / Q3 / Q4) |" in table
 
