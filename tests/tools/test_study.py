@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from sao_megatron.configs import load_config
+from sao_megatron.trainer.job import JobConfig
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 _spec = importlib.util.spec_from_file_location("study", ROOT / "tools" / "study.py")
@@ -107,9 +110,13 @@ def test_cells_are_seed_major_with_their_own_overrides(study):
     assert by["sao+k1/seed1"].run_dir == out / "sao+k1" / "seed1"
     assert "algorithm.sao.value_updates_per_policy_update=1" in by["sao+k1/seed1"].overrides
     assert "algorithm.name=grpo" in by["grpo/seed0"].overrides
-    assert {"seed=1", "tasks.train_seed=2", "rollout.seed=1", "rl.steps=4", "stages=[rl]"} <= set(
-        by["grpo/seed1"].overrides
-    )
+    grpo1 = by["grpo/seed1"].overrides
+    assert {"seed=1", "rollout.seed=1", "rl.steps=4", "stages=[rl]"} <= set(grpo1)
+    assert not [o for o in grpo1 if o.startswith(("tasks.train_seed=", "parallel.seed="))]
+    # what the cell's job resolves to: the seeds follow seed=1 (quickstart sets rollout.seed: 0)
+    job = load_config(JobConfig, ROOT / "examples/configs/quickstart.yaml", grpo1)
+    assert (job.seed, job.parallel.seed, job.tasks.train_seed, job.rollout.seed) == (1, 1235, 1, 1)
+    assert job.tasks.eval_seed == 1_000_003
     assert by["sao/seed0"].needs_value_model and not by["grpo/seed0"].needs_value_model
 
 

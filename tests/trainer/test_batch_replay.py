@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from sao_megatron.configs import load_config
 from sao_megatron.data.trajectory import ActionNode, Trajectory
 from sao_megatron.rollout.status import StatusCounters
-from sao_megatron.trainer import controller as controller_module
+from sao_megatron.trainer import rl_parts as rl_parts_module
 from sao_megatron.trainer.batch_record import BatchRecorder, BatchReplay, MissingBatch, batch_file
 from sao_megatron.trainer.controller import Controller
 from sao_megatron.trainer.job import JobConfig
@@ -80,6 +80,12 @@ class RandomRollout:
     def stats(self):
         return {}
 
+    def state_dict(self) -> dict:  # the Stateful ``rollout`` of a checkpoint, as RolloutManager's
+        return {"status_counts": self.status_counters.state_dict(), "deviation": None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.status_counters.load_state_dict(state["status_counts"])
+
 
 class NoRollout:
     def __init__(self, *a, **k) -> None:
@@ -141,7 +147,7 @@ def _replay(parallel, src: Path, out: Path, *overrides: str) -> dict[int, dict]:
 
 
 def test_a_recorded_run_replays_bit_identically(tmp_path, parallel_1rank, monkeypatch):
-    monkeypatch.setattr(controller_module, "RolloutManager", RandomRollout)
+    monkeypatch.setattr(rl_parts_module, "RolloutManager", RandomRollout)
     rec = tmp_path / "recorded"
     Controller(_job(rec, "rl.steps=4", "rl.record_batches=true"), parallel_1rank).run()
     recorded = _records(rec)
@@ -155,7 +161,7 @@ def test_a_recorded_run_replays_bit_identically(tmp_path, parallel_1rank, monkey
     assert all(recorded[s]["loss/policy"] != 0.0 for s in recorded)  # the policy trains
     assert all(recorded[s]["deviation/dropped_fraction"] < 0.5 for s in recorded)
 
-    monkeypatch.setattr(controller_module, "RolloutManager", NoRollout)
+    monkeypatch.setattr(rl_parts_module, "RolloutManager", NoRollout)
     same = _replay(parallel_1rank, rec, tmp_path / "same")
     assert sorted(same) == [2, 3, 4]
     for step in (2, 3, 4):

@@ -10,8 +10,10 @@ import json
 import pytest
 
 from sao_megatron.configs import load_config, to_yaml
+from sao_megatron.trainer.checkpoint.train_states import _tensor_parts
 from sao_megatron.trainer.controller import Controller
 from sao_megatron.trainer.job import JobConfig, TasksConfig
+from sao_megatron.trainer.rl_parts import save_rl
 from sao_megatron.trainer.run_state import RLRunState, TaskStream
 from tests.conftest import tiny_moe_kwargs
 
@@ -80,7 +82,7 @@ def test_components_get_run_time_paths_and_the_job_is_unchanged(
     ctrl = Controller(job, parallel_1rank)
     ctrl.prepare()
     rl = ctrl.build_rl(None, None)
-    logger = ctrl._logger("rl", total=1, initial=0)
+    logger = ctrl.ctx.logger("rl", total=1, initial=0)
     logger.close()
 
     # the user's config objects are untouched (no field silently rewritten)
@@ -114,8 +116,8 @@ def test_saved_config_is_the_config_the_checkpoint_was_trained_with(tmp_path, pa
     ctrl.prepare()
     rl = ctrl.build_rl(None, None)
     rl.run.step, rl.run.policy_version = 3, 3
-    ctrl.tasks.consume(5)
-    ctrl._save_rl(rl)
+    rl.tasks.consume(5)
+    save_rl(ctrl.ctx, rl)
 
     saved = (tmp_path / "run" / "config.yaml").read_text()
     assert saved == to_yaml(ctrl.job)
@@ -129,7 +131,7 @@ def test_saved_config_is_the_config_the_checkpoint_was_trained_with(tmp_path, pa
     again.prepare()
     resumed = again.build_rl(None, step_dir)
     assert resumed.run == rl.run
-    assert again.tasks.state_dict() == {"tasks_consumed": 5}
+    assert resumed.tasks.state_dict() == {"tasks_consumed": 5}
 
 
 def test_episode_status_counts_survive_checkpoint_and_resume(tmp_path, parallel_1rank):
@@ -149,7 +151,7 @@ def test_episode_status_counts_survive_checkpoint_and_resume(tmp_path, parallel_
     before = counters.metrics()
     assert before["episodes/completed"] == 40 and before["episodes/engine_error"] == 1
     rl.run.step, rl.run.policy_version = 2, 2
-    ctrl._save_rl(rl)
+    save_rl(ctrl.ctx, rl)
     step_dir = next((tmp_path / "run" / "ckpt" / "rl").glob("step_*"))
 
     again = Controller(job, parallel_1rank)
@@ -161,21 +163,24 @@ def test_episode_status_counts_survive_checkpoint_and_resume(tmp_path, parallel_
     resumed.rollout.status_counters.record("completed")  # and they keep counting
     assert resumed.rollout.status_counters.metrics()["episodes/completed"] == 41
 
-    # a checkpoint written before the counts were saved (no key) resumes with zeros
+    # a checkpoint written before the counts were saved (no key) resumes with zeros; it kept
+    # the run state and task cursor in CommonState, not as Stateful parts (`LEGACY`)
     rl.run.step = rl.run.policy_version = 4
+    rl.tasks.consume(3)
     old = CommonState(
         train_step=4,
         policy_version=4,
-        data_cursor=ctrl.tasks.state_dict(),
+        data_cursor=rl.tasks.state_dict(),
         extra={"rl_run_state": rl.run.state_dict()},
     )
-    ctrl._save(rl.checkpoints, rl.states, old)
+    rl.checkpoints.save(_tensor_parts(rl.states), old)
     old_dir = tmp_path / "run" / "ckpt" / "rl" / step_dir_name(4)
     assert old_dir.is_dir()
     third = Controller(job, parallel_1rank)
     third.prepare()
-    counts = third.build_rl(None, old_dir).rollout.status_counters.state_dict()
-    assert counts == {s.value: 0 for s in EpisodeStatus}
+    legacy = third.build_rl(None, old_dir)
+    assert legacy.rollout.status_counters.state_dict() == {s.value: 0 for s in EpisodeStatus}
+    assert legacy.run == rl.run and legacy.tasks.state_dict() == {"tasks_consumed": 3}
 
 
 def test_value_pretrain_alone_saves_the_critic_a_later_rl_job_resumes_from(
@@ -199,7 +204,7 @@ def test_value_pretrain_alone_saves_the_critic_a_later_rl_job_resumes_from(
     ctrl.summary = {}
     head = {}
 
-    def fake_pretrain(rl):  # what 3 value pre-training steps leave: a trained critic
+    def fake_pretrain(rl, batches):  # what 3 value pre-training steps leave: a trained critic
         value = rl.step_fn.value.unwrapped[-1]
         with torch.no_grad():
             for name, p in value.named_parameters():
@@ -211,13 +216,13 @@ def test_value_pretrain_alone_saves_the_critic_a_later_rl_job_resumes_from(
     monkeypatch.setattr(ctrl, "_value_pretrain", fake_pretrain)
     ctrl.rl_stage(None, None)
     assert head, "the critic has a head parameter"
-    step_dir = ctrl._ckpt("rl").resolve_resume()
+    step_dir = ctrl.ctx.checkpoints("rl").resolve_resume()
     assert step_dir is not None and step_dir.name.endswith("0")
 
     job_rl = _job(tmp_path / "run", "sao")
     again = Controller(job_rl, parallel_1rank)
     again.prepare()
-    assert again._ckpt("rl").resolve_resume() == step_dir  # what run() resumes from
+    assert again.ctx.checkpoints("rl").resolve_resume() == step_dir  # what run() resumes from
     resumed = again.build_rl(None, step_dir)
     assert resumed.run == RLRunState(step=0, policy_version=0, value_pretrain_steps=3)
     value = dict(resumed.step_fn.value.unwrapped[-1].named_parameters())

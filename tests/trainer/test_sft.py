@@ -56,5 +56,5 @@ def test_sampler_is_seeded_and_resumable():
     assert sorted(first[:10]) == list(range(10))
     b = SequenceSampler(10, seed=3)
     b.next(7)
-    c = SequenceSampler(10, seed=3, **{k: v for k, v in b.state().items() if k != "seed"})
+    c = SequenceSampler(10, seed=3, **{k: v for k, v in b.state_dict().items() if k != "seed"})
     assert c.next(7) == first[7:]

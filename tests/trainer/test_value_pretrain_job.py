@@ -28,7 +28,7 @@ VP = [
 def _heldout_ids(step_dir) -> list[str]:
     """Task ids of the held-out set an RL checkpoint holds (its run state)."""
     common = torch.load(step_dir / "common" / "state.pt", weights_only=False)
-    return [t["task_id"] for t in common["extra"]["rl_run_state"]["value_pretrain_heldout"]]
+    return [t["task_id"] for t in common["states"]["run"]["value_pretrain_heldout"]]
 
 
 def test_step_cap_ends_the_stage_and_a_resumed_job_keeps_the_heldout_set(
