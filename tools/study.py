@@ -85,9 +85,9 @@ class Study:
             `include_baseline` is false (a study of variants only, e.g. staleness bounds).
         seeds: the seeds of every (algorithm, variant); seed N sets ``seed=N rollout.seed=N``:
             the job derives parallel.seed = 1234 + N and tasks.train_seed = N from ``seed``
-            (`sao_megatron.trainer.derived`), and rollout.seed is given because a job config
-            may set it (every shipped one has ``rollout.seed: 0``, which would win). The
-            held-out set, tasks.eval_seed, is fixed.
+            (`sao_megatron.trainer.derived`), and rollout.seed is given too because a job
+            config may set it, which would win over the derived value (the shipped configs
+            leave it out). The held-out set, tasks.eval_seed, is fixed.
         group_size: GRPO's group (trajectories per task) for the named algorithms.
         seconds_per_step: algorithm -> RL seconds per step measured on a short run, for
             `--plan` until a cell of that algorithm has run (the study's own rate replaces it).
@@ -204,7 +204,7 @@ def cells(study: Study) -> list[Cell]:
                     f"checkpoint.save_interval={study.save_interval}",
                     "logging.console=false",
                     f"seed={seed}",  # parallel.seed, tasks.train_seed derived from it
-                    f"rollout.seed={seed}",  # the config's own rollout.seed would win
+                    f"rollout.seed={seed}",  # a config's own rollout.seed would win
                 ]
                 out.append(Cell(algo, vname, seed, run_dir, overrides, needs_value, own_vp))
     return out

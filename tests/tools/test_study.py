@@ -113,7 +113,7 @@ def test_cells_are_seed_major_with_their_own_overrides(study):
     grpo1 = by["grpo/seed1"].overrides
     assert {"seed=1", "rollout.seed=1", "rl.steps=4", "stages=[rl]"} <= set(grpo1)
     assert not [o for o in grpo1 if o.startswith(("tasks.train_seed=", "parallel.seed="))]
-    # what the cell's job resolves to: the seeds follow seed=1 (quickstart sets rollout.seed: 0)
+    # what the cell's job resolves to: the seeds follow seed=1
     job = load_config(JobConfig, ROOT / "examples/configs/quickstart.yaml", grpo1)
     assert (job.seed, job.parallel.seed, job.tasks.train_seed, job.rollout.seed) == (1, 1235, 1, 1)
     assert job.tasks.eval_seed == 1_000_003

@@ -75,12 +75,21 @@ def test_an_explicit_value_counts_as_set_whatever_it_equals(caplog):
     assert _logged(same, caplog) == []
 
 
-def test_a_seed_the_config_file_sets_wins_over_the_derived_one(caplog):
-    """quickstart.yaml writes `rollout.seed: 0`: with seed=3 it stays 0 (and says so); the
-    seeds it leaves out follow seed."""
-    job = _job("seed=3", path=EXAMPLES / "quickstart.yaml")
+def test_a_seed_the_config_file_sets_wins_over_the_derived_one(tmp_path, caplog):
+    """A config file that writes `rollout.seed: 0`: with seed=3 it stays 0 (and says so); the
+    seeds it leaves out follow seed. The shipped quickstart writes none: all follow seed."""
+    text = (
+        (EXAMPLES / "quickstart.yaml")
+        .read_text()
+        .replace("\nrollout:\n", "\nrollout:\n  seed: 0\n")
+    )
+    (config := tmp_path / "pinned.yaml").write_text(text)
+    job = _job("seed=3", path=config)
     assert _seeds(job) == (1237, 3, 0, 1_000_003)
     assert "rollout.seed=0 set explicitly (derived from seed=3: 3)" in _logged(job, caplog)
+    shipped = _job("seed=3", path=EXAMPLES / "quickstart.yaml")
+    assert _seeds(shipped) == (1237, 3, 3, 1_000_003)
+    assert _logged(shipped, caplog) == []
 
 
 def test_a_seed_whose_train_seed_is_the_heldout_seed_is_refused():
@@ -206,17 +215,18 @@ def _shipped_overrides(path: Path, tmp_path: Path) -> list[str]:
     "path", sorted([*EXAMPLES.glob("*.yaml"), *EXAMPLES.glob("cluster/*.yaml")]), ids=str
 )
 def test_shipped_configs_resolve_as_they_did(path, tmp_path):
-    """Every shipped config sets seed 0, rollout.max_model_len and rollout.dtype: the seeds are
-    today's (1234, 0), the engine length and dtype are the file's, and the length fits the
-    model. rollout.seed is 0: the file's, or (cluster configs, which leave it out) derived."""
+    """Every shipped config sets seed 0 and rollout.dtype and leaves the other derived fields
+    out: the seeds are today's (1234, 0, 0), the engine's context is the model's, its dtype the
+    file's; only the dtype may differ from its derived value (an fp32 engine of a bf16 "auto"
+    trainer)."""
     raw = OmegaConf.load(path)
+    assert "seed" not in raw.rollout and "max_model_len" not in raw.rollout
     job = _job(*_shipped_overrides(path, tmp_path), path=path)
     assert _seeds(job) == (1234, 0, 0, 1_000_003)
-    assert job.rollout.max_model_len == raw.rollout.max_model_len
+    assert job.rollout.max_model_len == job.model.max_position_embeddings
     assert job.rollout.dtype == raw.rollout.dtype
-    assert job.rollout.max_model_len <= job.model.max_position_embeddings
     overridden = {r.key for r in job.derived_settings if r.overridden}
-    assert overridden <= {"rollout.dtype"}  # an fp32 engine of a bf16 ("auto") trainer
+    assert overridden <= {"rollout.dtype"}
 
 
 def test_help_shows_the_rule_of_a_derived_field():
