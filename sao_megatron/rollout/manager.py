@@ -17,16 +17,12 @@ staleness (docs/ROLLOUT.md, "Bounded staleness").
 
 Faults: a request that fails with `EngineError` (connection refused, dropped twice, HTTP 5xx,
 timeout after ``request_timeout_s`` not counting weight-update pauses, aborted) marks its engine
-unhealthy and fails the whole group, whose task is requeued (front of the queue, same task_id and
-seed, a new attempt; nothing of the failed attempt reaches the buffer, so no task is lost or counted
-twice). The `EngineFleet` (`sao_megatron.rollout.engines`, the owner of the engines, their clients
-and their weights) then restarts a dead local engine (up to ``max_engine_restarts``; it reloads the
-latest published weights and version) or waits for a remote one to answer /health, or drops it.
-`EpisodeError` (environment exception, malformed reply) drops that group with a logged error; the
-run goes on — unless `MAX_CONSECUTIVE_FAILURES` groups in a row fail with no trajectory admitted in
-between: then the rollout stops and `get_batch` raises at once with the first error of that streak
-(a broken environment, tokenizer or model fails every episode; retrying forever only floods the
-log).
+unhealthy and fails the whole group. The `EngineFleet` (`sao_megatron.rollout.engines`, the owner
+of the engines, their clients and their weights) then restarts a dead local engine (up to
+``max_engine_restarts``; it reloads the latest published weights and version) or waits for a
+remote one to answer /health, or drops it. What becomes of a failed group (its task requeued, or
+dropped; the rollout stopped after `MAX_CONSECUTIVE_FAILURES` in a row) is
+`sao_megatron.rollout.group_outcome`'s.
 """
 
 from __future__ import annotations
@@ -38,37 +34,32 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from sao_megatron.algorithm.deviation_controller import (
-    DeviationController,
-    DeviationControllerConfig,
-)
 from sao_megatron.data.episode import EpisodeFormatter
 from sao_megatron.data.trajectory import Trajectory
+from sao_megatron.rollout.admission import AdmissionBounds
 from sao_megatron.rollout.buffer import Group, StalenessBuffer
 from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.engine_client import EngineClient, EngineError, Generation
 from sao_megatron.rollout.engine_process import EngineProcess
 from sao_megatron.rollout.engines import ClientFactory, EngineFleet, SyncResult
 from sao_megatron.rollout.gateway import close_shared_gateway
-from sao_megatron.rollout.runner import EpisodeError, stop_token_ids
+from sao_megatron.rollout.group_outcome import (
+    EPISODE_FAILURES,
+    MAX_CONSECUTIVE_FAILURES,
+    FailureStreak,
+    settle_group,
+)
+from sao_megatron.rollout.runner import stop_token_ids
 from sao_megatron.rollout.status import (
     EpisodeStatus,
     StatusCounters,
     classify_exception,
-    disposition,
     parse_statuses,
 )
 from sao_megatron.rollout.tasks import Task, agent_tasks, round_robin_tasks, run_task_episode
 from sao_megatron.weight_sync.publisher import WeightSource
 
 log = logging.getLogger("sao_megatron.rollout")
-
-#: Groups failing in a row (dropped: environment/reply errors, or engine faults past
-#: rollout.max_episode_attempts) with no trajectory admitted in between before the rollout
-#: gives up. 16 is above any plausible run of independent bad luck (a healthy run fails a few
-#: percent of episodes at most, interleaved with successes) and small enough to stop within
-#: the first wave of episodes (max_concurrent_episodes defaults to 16).
-MAX_CONSECUTIVE_FAILURES = 16
 
 
 class RolloutManager:
@@ -137,7 +128,7 @@ class RolloutManager:
         self._closing = False
         self._fatal: BaseException | None = None
         self._drained_since: float | None = None  # task source exhausted, nothing in flight
-        self._failure_streak: list[BaseException] = []  # failed groups since the last success
+        self._failure_streak = FailureStreak()  # failed groups since the last success
         self._t0 = time.monotonic()
         self.counters = self.fleet.counters  # one Counter: the fleet's engine_* counts too
         self.status_counters = StatusCounters()  # episodes/<status> in stats()
@@ -147,18 +138,7 @@ class RolloutManager:
         self.sync_history: list[SyncResult] = []
         self.initial_version = initial_version
         self.buffer.set_train_version(initial_version)
-        self.max_inflight = config.max_concurrent_episodes  # lowered by the controller
-        self.controller: DeviationController | None = None
-        if config.deviation_target is not None:
-            self.controller = DeviationController(
-                DeviationControllerConfig(
-                    target=config.deviation_target,
-                    max_staleness=config.max_staleness,
-                    max_inflight=max(config.max_concurrent_episodes, group_size),
-                    min_inflight=group_size,
-                    immediate_cut=config.deviation_bound_trained,
-                )
-            )
+        self.admission = AdmissionBounds(config, group_size, self.buffer)
 
     # ================================================================ lifecycle (trainer thread)
     def start(self) -> RolloutManager:
@@ -184,6 +164,12 @@ class RolloutManager:
     initial_version = property(  # the version served before the first update (the fleet's)
         lambda self: self.fleet.initial_version,
         lambda self, version: setattr(self.fleet, "initial_version", version),
+    )
+    # the admission bounds': the deviation controller (None without one), episodes in flight
+    controller = property(lambda self: self.admission.controller)
+    max_inflight = property(
+        lambda self: self.admission.max_inflight,
+        lambda self, n: setattr(self.admission, "max_inflight", n),
     )
 
     def __enter__(self) -> RolloutManager:
@@ -275,46 +261,28 @@ class RolloutManager:
         """What a checkpoint keeps of the rollout (the Stateful ``rollout``): the cumulative
         ``episodes/<status>`` counts and the deviation controller's state (None without one).
         In-flight and buffered trajectories are not kept (`CommonState`)."""
-        control = self.controller.state_dict() if self.controller is not None else None
+        control = self.admission.state_dict()
         return {"status_counts": self.status_counters.state_dict(), "deviation": control}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue the counts and, with a controller, its bounds (applied to admission now)."""
         if state.get("status_counts") is not None:
             self.status_counters.load_state_dict(state["status_counts"])
-        if self.controller is not None and state.get("deviation") is not None:
-            self.controller.load_state_dict(state["deviation"])
-            self.buffer.set_admission_staleness(
-                self.controller.max_staleness, hand_off=self.config.deviation_bound_trained
-            )
-            self.max_inflight = self.controller.max_inflight
+        self.admission.load_state_dict(state.get("deviation"))
 
     def observe_step(self, metrics: dict[str, float]) -> dict[str, float]:
         """Measure the engines' busy fraction of the step (``rollout/busy_fraction``: the mean
         over engines of the share of wall time since the previous call with a request
         outstanding; absent before `start`) and, with ``rollout.deviation_target``, feed the
         step's metrics to the deviation controller and apply its admission bounds (its state,
-        ``controller/*``, is returned too).
-
-        Reads ``deviation/abs_one_minus_ratio_mean`` and ``deviation/lag0/abs_one_minus_ratio_mean``
-        (`sao_megatron.trainer.rl_step`).
+        ``controller/*``, is returned too; `AdmissionBounds.observe`).
         """
         out = {} if self.router is None else {"rollout/busy_fraction": self.fleet.busy_fraction()}
         if self.controller is None:
             return out
-        self.controller.update(
-            deviation=float(metrics.get("deviation/abs_one_minus_ratio_mean", float("nan"))),
-            deviation_lag0=float(
-                metrics.get("deviation/lag0/abs_one_minus_ratio_mean", float("nan"))
-            ),
-            busy_fraction=out.get("rollout/busy_fraction", 0.0),
-        )
-        self.buffer.set_admission_staleness(
-            self.controller.max_staleness, hand_off=self.config.deviation_bound_trained
-        )
-        self.max_inflight = self.controller.max_inflight
+        control = self.admission.observe(metrics, out.get("rollout/busy_fraction", 0.0))
         self._poke()
-        return self.controller.metrics() | out
+        return control | out
 
     def stats(self) -> dict:
         """Counters, buffer stats, per-engine utilisation and throughput since start."""
@@ -397,14 +365,14 @@ class RolloutManager:
             *(self._run_one(task, i, attempt, sampled) for i in range(g)), return_exceptions=True
         )
         self._inflight -= g
-        errors = [r for r in results if isinstance(r, BaseException)]
         for r in results:  # every episode ends with a status (rollout/status.py)
             if isinstance(r, Trajectory):
                 self.status_counters.record(r.status)
-            elif isinstance(r, EpisodeError | EngineError | TimeoutError):
+            elif isinstance(r, EPISODE_FAILURES):
                 self.status_counters.record(classify_exception(r))
         try:
-            if not errors:
+            out = settle_group(results, attempt, self._requeue, self.config.max_episode_attempts)
+            if out.action == "admit":
                 self.buffer.put_group(list(results))
                 self.counters["trajectories"] += g
                 self._failure_streak.clear()
@@ -413,40 +381,31 @@ class RolloutManager:
             # the whole group is dropped, its finished members included (GRPO: one failed
             # member costs the G episodes' tokens)
             self.counters["discarded_tokens"] += sampled[0]
-            retry = [
-                e
-                for e in errors
-                if isinstance(e, EpisodeError | EngineError | TimeoutError)
-                and disposition(classify_exception(e), self._requeue) == "requeue"
-            ]
-            if retry and attempt + 1 < self.config.max_episode_attempts:
-                kind = classify_exception(retry[0]).value.removesuffix("_error")
-                self.counters[f"requeued_{kind}"] += 1  # requeued_engine, requeued_timeout, ...
+            if out.action == "requeue":
+                self.counters[f"requeued_{out.kind}"] += 1  # requeued_engine, requeued_timeout..
                 log.warning(
-                    "task %s attempt %d requeued (%s): %s", task.task_id, attempt, kind, retry[0]
+                    "task %s attempt %d requeued (%s): %s",
+                    task.task_id,
+                    attempt,
+                    out.kind,
+                    out.error,
                 )
                 self._requeued.appendleft((task, attempt + 1))
             else:
                 self.counters["failed_groups"] += 1
-                bad = [e for e in errors if not isinstance(e, EpisodeError)] or errors
+                error = out.error
                 log.error(
                     "task %s dropped after attempt %d: %s: %s",
                     task.task_id,
                     attempt,
-                    type(bad[0]).__name__,
-                    bad[0],
+                    type(error).__name__,
+                    error,
                 )
-                if not isinstance(bad[0], EpisodeError | EngineError | TimeoutError):
-                    raise bad[0]
-                self._failure_streak.append(bad[0])
-                if len(self._failure_streak) == MAX_CONSECUTIVE_FAILURES:
-                    first = self._failure_streak[0]
-                    self._fatal = RuntimeError(
-                        f"{len(self._failure_streak)} episode groups in a row failed with no "
-                        f"trajectory admitted in between; the first error: "
-                        f"{type(first).__name__}: {first}"
-                    )
-                    self._fatal.__cause__ = first
+                if not isinstance(error, EPISODE_FAILURES):
+                    raise error
+                fatal = self._failure_streak.add(error)
+                if fatal is not None:
+                    self._fatal = fatal
                     log.error("rollout stopped: %s", self._fatal)
         except Exception as e:  # a bug: stop the run loudly rather than hang the trainer
             self._fatal = e

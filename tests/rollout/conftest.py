@@ -128,3 +128,26 @@ def fakes():
     FakeEngineClient.registry = engines
     yield list(engines.values())
     FakeEngineClient.registry = {}
+
+
+@pytest.fixture
+def one_fake_engine():
+    """``cfg = one_fake_engine(engine, **overrides)``: registers `engine` (a `FakeEngine`;
+    default ``FakeEngine("engine0")``) at http://fake0 for `FakeEngineClient` until the test
+    ends and returns the `RolloutConfig` of a rollout on it alone (1024-token contexts, 16-token
+    actions, batches of 4 trajectories, seed 0; `overrides` on top)."""
+    from tests.rollout.fakes import FakeEngine, FakeEngineClient
+
+    def register(engine: FakeEngine | None = None, **overrides) -> RolloutConfig:
+        FakeEngineClient.registry = {"http://fake0": engine or FakeEngine("engine0")}
+        defaults = dict(
+            engine_urls=["http://fake0"],
+            max_model_len=1024,
+            max_tokens_per_action=16,
+            trajectories_per_batch=4,
+            seed=0,
+        )
+        return RolloutConfig(**(defaults | overrides))
+
+    yield register
+    FakeEngineClient.registry = {}

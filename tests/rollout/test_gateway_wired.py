@@ -1,14 +1,17 @@
 """The wired RolloutManager runs agent environments itself (the `run_episode` hook) and reports
 `episodes/<status>` counts; failed agents never reach a batch."""
 
-from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.gateway import AgentEnvironment
 from sao_megatron.rollout.manager import RolloutManager, agent_tasks
-from tests.rollout.fakes import FakeEngine, FakeEngineClient
+from tests.rollout.fakes import FakeEngineClient
 from tests.rollout.test_gateway import calc, formatter, smollm2_tok_dir  # noqa: F401 (fixtures)
 
 
-def test_manager_runs_agents_and_counts_statuses(formatter, tmp_path):  # noqa: F811
+def test_manager_runs_agents_and_counts_statuses(
+    formatter,  # noqa: F811 (the imported fixture)
+    one_fake_engine,
+    tmp_path,
+):
     async def flaky(task, client):
         if task["seed"] % 3 == 0:
             raise RuntimeError("agent crashed")
@@ -17,26 +20,13 @@ def test_manager_runs_agents_and_counts_statuses(formatter, tmp_path):  # noqa: 
     def make_task(seed):
         return {**calc.make_task(seed), "seed": seed}
 
-    FakeEngineClient.registry = {"http://fake0": FakeEngine("engine0", vocab=300)}
-    cfg = RolloutConfig(
-        engine_urls=["http://fake0"],
-        max_model_len=1024,
-        max_tokens_per_action=16,
-        trajectories_per_batch=4,
-        max_concurrent_episodes=4,
-        request_timeout_s=5.0,
-        seed=0,
-        step_timeout_s=5.0,
-    )
+    cfg = one_fake_engine(max_concurrent_episodes=4, request_timeout_s=5.0, step_timeout_s=5.0)
     tasks = agent_tasks("calc", lambda: AgentEnvironment(flaky, make_task))
-    try:
-        with RolloutManager(
-            cfg, formatter, tasks, client_factory=FakeEngineClient, run_dir=tmp_path
-        ) as m:
-            batch = m.get_batch(train_version=0, timeout=300)
-            stats = m.stats()
-    finally:
-        FakeEngineClient.registry = {}
+    with RolloutManager(
+        cfg, formatter, tasks, client_factory=FakeEngineClient, run_dir=tmp_path
+    ) as m:
+        batch = m.get_batch(train_version=0, timeout=300)
+        stats = m.stats()
     assert len(batch) == 4
     assert all(t.status == "completed" and int(t.task_id.split("/")[1]) % 3 for t in batch)
     for t in batch:

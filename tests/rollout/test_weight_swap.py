@@ -20,7 +20,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.engine import CLIENT_KEEP_ALIVE_S
 from sao_megatron.rollout.manager import RolloutManager, Task
 from tests.rollout.fakes import CountEnv, FakeEngine, FakeEngineClient, make_formatter
@@ -39,32 +38,20 @@ class SlowReloadClient(FakeEngineClient):
         return await super().reload_weights(path)
 
 
-def test_a_reload_longer_than_the_request_timeout_times_out_no_request(tmp_path):
+def test_a_reload_longer_than_the_request_timeout_times_out_no_request(one_fake_engine, tmp_path):
     """Requests frozen by an 8 s pause with ``request_timeout_s=4`` (healthy ones take ~0.3 s)
     wait for the resume: no engine failure, no requeue (before: TimeoutError, engine failed)."""
-    FakeEngineClient.registry = {"http://fake0": FakeEngine("engine0", token_latency_s=0.05)}
-    cfg = RolloutConfig(
-        engine_urls=["http://fake0"],
-        max_model_len=1024,
-        max_tokens_per_action=16,
-        trajectories_per_batch=4,
-        max_concurrent_episodes=8,
-        max_staleness=1,
-        request_timeout_s=4.0,
-        seed=0,
-    )
+    engine = FakeEngine("engine0", token_latency_s=0.05)
+    cfg = one_fake_engine(engine, max_concurrent_episodes=8, max_staleness=1, request_timeout_s=4.0)
     tasks = (Task(task_id=f"c{i}", make_env=CountEnv, seed=i) for i in itertools.count())
-    try:
-        with RolloutManager(
-            cfg, make_formatter(), tasks, client_factory=SlowReloadClient, run_dir=tmp_path
-        ) as m:
-            m.get_batch(train_version=0, timeout=300)
-            in_flight = m.router.loads[0].outstanding_requests
-            res = m.publish_weights({"w": torch.zeros(2)}, version=1)
-            m.get_batch(train_version=1, timeout=300)
-            counters = dict(m.counters)
-    finally:
-        FakeEngineClient.registry = {}
+    with RolloutManager(
+        cfg, make_formatter(), tasks, client_factory=SlowReloadClient, run_dir=tmp_path
+    ) as m:
+        m.get_batch(train_version=0, timeout=300)
+        in_flight = m.router.loads[0].outstanding_requests
+        res = m.publish_weights({"w": torch.zeros(2)}, version=1)
+        m.get_batch(train_version=1, timeout=300)
+        counters = dict(m.counters)
     assert in_flight > 0 and res.max_pause_s >= SlowReloadClient.reload_s
     assert not res.failed_engines
     for key in ("engine_failures", "requeued_engine", "requeued_timeout", "failed_groups"):
