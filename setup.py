@@ -52,6 +52,7 @@ setup(
             "sao-train=sao_megatron.cli.train:main",
             "sao-convert=sao_megatron.convert.cli:main",
             "sao-plan=sao_megatron.cli.plan:main",
+            "sao-serve=sao_megatron.cli.serve:main",
         ]
     },
 )

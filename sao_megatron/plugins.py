@@ -11,7 +11,7 @@ plug-ins in the top-level ``plugins:`` list of its config and with ``sao-train -
 
 They are imported before the config is resolved (`sao_megatron.configs.load_config` imports the
 config's list, the CLI its ``--import`` flags), in every process that resolves it: each trainer
-rank gets the same command line from torchrun/srun, the engine nodes' ``rollout.serve`` the
+rank gets the same command line from torchrun/srun, the engine nodes' ``sao-serve`` the
 trainer's arguments, and ``run_dir/config.yaml`` records the list. Importing a module twice (by
 path and by name, or once per config load) runs it once. A module that cannot be imported is
 a `PluginError` naming it and the exception, in one line.
@@ -127,7 +127,7 @@ def import_plugins(entries: Iterable[str], origin: str = "plugins") -> list[Modu
 
 def add_import_argument(parser: argparse.ArgumentParser, help: str) -> None:
     """Add the repeatable ``--import MODULE`` flag (into ``args.imports``, a list) to `parser`:
-    the one spelling shared by ``sao-train``, ``sao-plan`` and ``rollout.serve``."""
+    the one spelling shared by ``sao-train``, ``sao-plan`` and ``sao-serve``."""
     parser.add_argument(
         "--import", dest="imports", action="append", default=[], metavar="MODULE", help=help
     )

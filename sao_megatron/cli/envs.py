@@ -1,11 +1,12 @@
 """Command line: list environments, their options, or one sample episode as the agent sees it.
 
-    python -m sao_megatron.envs list
-    python -m sao_megatron.envs options hanoi          # the options table (docs/ENVIRONMENTS.md)
-    python -m sao_megatron.envs show hanoi --seed 3 --horizon 20 [--epsilon 0.1]
-    python -m sao_megatron.envs show all --horizon 5         # every registered environment
-    python -m sao_megatron.envs show chain_sum --option difficulty='{"max_digits": 2}'
-    python -m sao_megatron.envs show hanoi --tokenizer ckpt/  # also count tokens
+    python -m sao_megatron.cli.envs list
+    python -m sao_megatron.cli.envs options hanoi    # the options table (docs/ENVIRONMENTS.md)
+    python -m sao_megatron.cli.envs show hanoi --seed 3 --horizon 20 [--epsilon 0.1]
+    python -m sao_megatron.cli.envs show all --horizon 5       # every registered environment
+    python -m sao_megatron.cli.envs show chain_sum --option difficulty='{"max_digits": 2}'
+    python -m sao_megatron.cli.envs show hanoi --tokenizer ckpt/  # also count tokens
+    python -m sao_megatron.cli.envs --import my_envs.py show my_env  # a plug-in's environment
 
 The episode is played by the environment's gold policy (noisy-gold with --epsilon > 0, for
 environments that support it) and printed in the episode text format of
@@ -23,6 +24,7 @@ from sao_megatron.data.episode import EpisodeFormatConfig, EpisodeFormatter
 from sao_megatron.envs import make_env, options_schema, registered_envs
 from sao_megatron.envs.base import fixed_options
 from sao_megatron.envs.options import options_table
+from sao_megatron.plugins import PluginError, add_import_argument, import_plugins
 
 
 def _parse_option(text: str) -> tuple[str, object]:
@@ -38,9 +40,12 @@ def _parse_option(text: str) -> tuple[str, object]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     parser = argparse.ArgumentParser(
-        prog="python -m sao_megatron.envs",
+        prog="python -m sao_megatron.cli.envs",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_import_argument(
+        parser, "a plug-in module (dotted name or .py path) that registers environments"
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="print the registered environment names")
@@ -68,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         "--tokenizer", default=None, help="tokenizer .model file or directory: report token counts"
     )
     args = parser.parse_args(argv)
+    try:
+        import_plugins(args.imports, origin="--import")
+    except PluginError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     if args.command == "list":
         print("\n".join(registered_envs()))

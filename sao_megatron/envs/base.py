@@ -1,9 +1,18 @@
-"""The environment protocol every task implements, and the registry that builds them by name."""
+"""The environment protocol every task implements, and the registry that builds them by name.
+
+Where a name comes from: `register_env` in a module that was imported (the built-ins of
+`sao_megatron.envs`, a plug-in given by import path: ``plugins:`` / ``--import``), else, on
+first use of the name, the module that registers it is imported from its import path: a
+built-in of a higher layer (`LAZY_ENVS`: ``agent``, which the rollout gateway registers) or an
+installed package's entry point in group `ENTRY_POINT_GROUP` (docs/ENVIRONMENTS.md).
+Evaluation asks the environment for its own metrics (`episode_metrics`), never by its name.
+"""
 
 from __future__ import annotations
 
+import importlib.metadata
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -11,6 +20,7 @@ from sao_megatron.envs.options import (  # noqa: F401  (config_from_options: re-
     config_from_options,
     did_you_mean,
 )
+from sao_megatron.plugins import import_plugin
 
 
 @dataclass(kw_only=True)
@@ -102,8 +112,19 @@ def task_id(env_name: str, seed: int) -> str:
 
 
 EnvFactory = Callable[..., Environment]
+#: ``(final step infos of finished episodes, the environment's options) -> {metric: value}``
+EpisodeMetrics = Callable[[Sequence[Mapping[str, Any]], Mapping[str, Any]], Mapping[str, float]]
 _REGISTRY: dict[str, EnvFactory] = {}
 _SCHEMAS: dict[str, tuple[type, dict[str, Any]]] = {}  # name -> (options dataclass, fixed)
+_METRICS: dict[str, EpisodeMetrics] = {}  # name -> hook (`register_episode_metrics`)
+
+#: built-in environments registered by a module of a higher layer, imported when the name is
+#: first used: name -> import path (the rollout gateway registers ``agent`` itself)
+LAZY_ENVS = {"agent": "sao_megatron.rollout.gateway.environment"}
+#: entry-point group of installed plug-in environments: the entry point's name is the
+#: environment's, its value the module that registers it (in a package's pyproject.toml,
+#: ``[project.entry-points."sao_megatron.envs"]`` ``my_env = "my_pkg.envs"``)
+ENTRY_POINT_GROUP = "sao_megatron.envs"
 
 
 def register_env(
@@ -132,6 +153,36 @@ def register_env(
         return factory
 
     return deco
+
+
+def register_episode_metrics(name: str, metrics: EpisodeMetrics) -> None:
+    """Declare how environment `name` summarises its evaluation episodes (`episode_metrics`),
+    for an environment whose factory cannot carry an ``episode_metrics`` attribute itself.
+
+    metrics: ``(infos, options) -> {metric: value}``, with ``infos`` the final step info of each
+    finished episode and ``options`` the environment's options (a wrapper delegates with them).
+    """
+    if not callable(metrics):
+        raise ValueError(
+            f"register_episode_metrics({name!r}, {metrics!r}): give a function "
+            "(infos, options) -> {metric: value}"
+        )
+    _METRICS[name] = metrics
+
+
+def episode_metrics(spec: EnvSpec, infos: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """The environment's own evaluation metrics of its finished episodes (``{}``: none).
+
+    The hook is the one given to `register_episode_metrics`, else the factory's
+    ``episode_metrics`` attribute (a staticmethod or classmethod of an environment class,
+    ``episode_metrics(infos, options)``); it gets each episode's final step info and
+    ``spec.options``. Evaluation reports the result as ``eval/<label>/<metric>``.
+    """
+    check_env_name(spec.name, where="EnvSpec.name")
+    hook = _METRICS.get(spec.name) or getattr(_REGISTRY[spec.name], "episode_metrics", None)
+    if hook is None:
+        return {}
+    return {str(k): float(v) for k, v in hook(list(infos), dict(spec.options)).items()}
 
 
 def options_schema(name: str) -> type | None:
@@ -203,20 +254,50 @@ def check_env_name(name: str, where: str = "environment name") -> None:
     where: what to call the value in the message (e.g. "EnvSpec.name", which the job config
     reports as ``tasks.train[0].name``).
     """
-    if name in _REGISTRY:
+    if name in _REGISTRY or _import_provider(name):
         return
     if name in OPTIONAL_ENVS:
         raise ValueError(
             f"{where}={name!r}: this environment needs the optional package "
             f"{OPTIONAL_ENVS[name]!r}: pip install {OPTIONAL_ENVS[name]}"
         )
-    hint = did_you_mean(name, _REGISTRY)
+    known = registered_envs()
+    hint = did_you_mean(name, known)
     raise ValueError(
-        f"{where}={name!r} is not a registered environment; {hint}registered: "
-        f"{sorted(_REGISTRY)}. Register your own with "
-        "@sao_megatron.envs.base.register_env('name') (import its module before loading the "
-        "config)"
+        f"{where}={name!r} is not a registered environment; {hint}registered: {known}. "
+        "Register your own with @sao_megatron.envs.base.register_env('name') in a module the "
+        "config's plugins: list (or --import) names, or an installed package's entry point in "
+        f"group {ENTRY_POINT_GROUP!r}"
     )
+
+
+def _providers() -> dict[str, tuple[str, str]]:
+    """Names not registered yet that importing a module registers: name -> (import path, where
+    it was declared); the built-ins of `LAZY_ENVS` first, then installed entry points."""
+    out = {name: (path, "sao_megatron.envs.base.LAZY_ENVS") for name, path in LAZY_ENVS.items()}
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist = getattr(ep.dist, "name", None) or "an installed package"
+        out.setdefault(ep.name, (ep.module, f"entry point {ep.name} = {ep.value} of {dist}"))
+    return {name: v for name, v in out.items() if name not in _REGISTRY}
+
+
+def _import_provider(name: str) -> bool:
+    """Import the module that registers `name` (`_providers`); False when none declares it.
+
+    Raises ValueError (a `PluginError` when the import fails) when the module does not
+    register `name`.
+    """
+    found = _providers().get(name)
+    if found is None:
+        return False
+    path, origin = found
+    import_plugin(path, origin=origin)
+    if name not in _REGISTRY:
+        raise ValueError(
+            f"environment {name!r}: {origin} imported {path!r}, which registered no environment "
+            f"{name!r}; register it there with @register_env({name!r})"
+        )
+    return True
 
 
 def make_env(name: str, **options: Any) -> Environment:
@@ -226,5 +307,6 @@ def make_env(name: str, **options: Any) -> Environment:
 
 
 def registered_envs() -> list[str]:
-    """Names accepted by `make_env`, sorted."""
-    return sorted(_REGISTRY)
+    """Names accepted by `make_env`, sorted: the registered ones and those whose module is
+    imported on first use (`LAZY_ENVS`, entry points in `ENTRY_POINT_GROUP`)."""
+    return sorted({*_REGISTRY, *_providers()})

@@ -34,10 +34,18 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from sao_megatron.envs.base import EnvSpec, StepResult, options_config, register_env
+from sao_megatron.envs.base import (
+    EnvSpec,
+    StepResult,
+    episode_metrics,
+    options_config,
+    register_env,
+    register_episode_metrics,
+)
 from sao_megatron.envs.heavy_tail import DISTRIBUTIONS, HEAVY_TAILED, sample_heavy_tailed  # noqa: F401
 
 
@@ -164,10 +172,20 @@ def make_latency_env(**options: Any) -> LatencyEnv:
     return LatencyEnv(spec.build(), config)
 
 
+def latency_episode_metrics(
+    infos: Sequence[Mapping[str, Any]], options: Mapping[str, Any]
+) -> dict[str, float]:
+    """The wrapped environment's evaluation metrics (`episode_metrics` of ``options["env"]``):
+    a delay changes no episode's outcome."""
+    config = options_config("latency", options)
+    return episode_metrics(config.env or EnvSpec(**DEFAULT_WRAPPED), infos)
+
+
 def register() -> None:
-    """Register `make_latency_env` as environment "latency" (idempotent; `sao_megatron.envs`
-    calls it on import)."""
+    """Register `make_latency_env` as environment "latency", with the wrapped environment's
+    evaluation metrics (idempotent; `sao_megatron.envs` calls it on import)."""
     from sao_megatron.envs.base import _REGISTRY
 
     if _REGISTRY.get("latency") is not make_latency_env:
         register_env("latency", options=LatencyOptions)(make_latency_env)
+    register_episode_metrics("latency", latency_episode_metrics)

@@ -18,7 +18,7 @@ class RolloutConfig:
         engine_urls: base URLs of running vLLM servers (clusters: the SLURM script starts them on
             rollout nodes). Empty: start `num_engines` local servers on loopback.
         engine_urls_file: JSON file through which the trainer finds engines started by another
-            process, `python -m sao_megatron.rollout.serve` (the SLURM script's engine step,
+            process, ``sao-serve`` (`sao_megatron.cli.serve`: the SLURM script's engine step,
             ``ROLLOUT_NODES``; docs/CLUSTERS.md): the trainer asks for engines serving its
             exported policy, waits for the file to list their URLs and loads its weights into
             them. Relative paths are taken from ``run_dir``. Null: `engine_urls`, else local

@@ -4,8 +4,8 @@ Rank 0 builds one fleet per run. It owns
 
 * the engines: local vLLM processes it starts (`start_early` overlaps their start-up with SFT;
   `start` waits for them), processes it adopts (started by someone else: never stopped here), or
-  remote engines it attaches to (``rollout.engine_urls``, or the URLs the engine step of
-  `sao_megatron.rollout.serve` publishes through ``rollout.engine_urls_file``);
+  remote engines it attaches to (``rollout.engine_urls``, or the URLs the engine step,
+  ``sao-serve`` (`sao_megatron.rollout.serve`), publishes through ``rollout.engine_urls_file``);
 * one `EngineClient` per engine, the `Router` over them and the asyncio event loop they live in
   (a background thread; the `RolloutManager` runs its episodes on the same loop);
 * the weights they serve: `load(weights, version)` is the only hand-off, start weights included

@@ -1,11 +1,12 @@
 """Rollout engines in their own process (a cluster's engine nodes), found by the trainer via files.
 
-``python -m sao_megatron.rollout.serve CONFIG [--import MODULE] [section.field=value ...]`` starts
-``rollout.num_engines`` vLLM servers on this node with the command line of `EngineProcess`
-(`EngineProcess.command`), listening on this node's address instead of loopback, and tells the
-trainer their URLs through files next to ``rollout.engine_urls_file`` on storage both see. The
-SLURM script runs it as a job step of its own on ``ROLLOUT_NODES`` nodes, one task per node
-(docs/CLUSTERS.md). The hand-off, all JSON files written atomically (``os.replace``):
+`serve` starts ``rollout.num_engines`` vLLM servers on this node with the command line of
+`EngineProcess` (`EngineProcess.command`), listening on this node's address instead of
+loopback, and tells the trainer their URLs through files next to ``rollout.engine_urls_file`` on
+storage both see. Its command line, which reads the job config, is ``sao-serve CONFIG [--import
+MODULE] [section.field=value ...]`` (`sao_megatron.cli.serve`); the SLURM script runs it as a
+job step of its own on ``ROLLOUT_NODES`` nodes, one task per node (docs/CLUSTERS.md). The
+hand-off, all JSON files written atomically (``os.replace``):
 
 1. the trainer (rank 0) exports its policy to a Hugging Face folder and writes
    ``<urls_file>.request``: ``{"nonce", "model_path"}`` (`request_engines`); the engines need
@@ -30,22 +31,17 @@ anyone who can reach the node's port: run on a trusted cluster network.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
 import os
 import signal
-import socket
-import sys
 import time
 import uuid
-from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
 
-from sao_megatron.plugins import add_import_argument
 from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.engine import EngineClient, EngineError, EngineProcess, start_engines
 
@@ -169,7 +165,7 @@ def wait_for_engine_urls(
             raise EngineError(
                 f"no engine URLs in {urls_file} and no progress in the engine logs under "
                 f"{log_root(urls_file)} for {stall_s:.0f} s: is the engine step "
-                "(`python -m sao_megatron.rollout.serve`, the SLURM script's ROLLOUT_NODES) "
+                "(`sao-serve`, the SLURM script's ROLLOUT_NODES) "
                 "running with the same rollout.engine_urls_file? (raise "
                 "rollout.startup_timeout_s if it was still starting)"
             )
@@ -347,57 +343,3 @@ def _publish_all(urls_file: Path, nonce: str, num_tasks: int, stop: _Stop, poll_
             return True
         time.sleep(poll_s)
     return False
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m sao_megatron.rollout.serve",
-        description=(
-            "Start rollout.num_engines vLLM engines on this node for a trainer that finds them "
-            "through rollout.engine_urls_file (docs/CLUSTERS.md). Give the trainer's config and "
-            "overrides."
-        ),
-    )
-    parser.add_argument("config", help="the job's YAML config")
-    parser.add_argument("overrides", nargs="*", help="section.field=value overrides")
-    parser.add_argument(
-        "--host",
-        default=os.environ.get(HOST_ENV) or socket.gethostname(),
-        help=f"address to listen on and advertise (default ${HOST_ENV}, else the hostname)",
-    )
-    add_import_argument(
-        parser,
-        "a plug-in module to import before the config is read (as sao-train --import)",
-    )
-    args = parser.parse_intermixed_args(argv)
-    from sao_megatron.configs import load_config
-    from sao_megatron.plugins import PluginError, import_plugins
-    from sao_megatron.trainer.job import JobConfig
-
-    try:
-        import_plugins(args.imports, origin="--import")
-        job = load_config(JobConfig, args.config, args.overrides)
-        urls_file = resolve_urls_file(job.rollout, job.run_dir)
-    except PluginError as e:
-        parser.exit(2, f"sao_megatron.rollout.serve: plug-in error: {e}\n")
-    except (ValueError, FileNotFoundError) as e:
-        parser.exit(2, f"sao_megatron.rollout.serve: config error: {e}\n")
-    task = int(os.environ.get("SLURM_PROCID", "0"))
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"[engines {task}] %(asctime)s %(name)s %(levelname)s: %(message)s",
-        stream=sys.stdout,
-        force=True,
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    return serve(
-        job.rollout,
-        urls_file,
-        host=args.host,
-        task=task,
-        num_tasks=int(os.environ.get("SLURM_NTASKS", "1")),
-    )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

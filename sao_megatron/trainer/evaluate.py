@@ -15,8 +15,7 @@ import math
 import random
 
 from sao_megatron.data.episode import EpisodeFormatter
-from sao_megatron.envs.base import EnvSpec
-from sao_megatron.envs.hanoi import move_error_rates
+from sao_megatron.envs.base import EnvSpec, episode_metrics
 from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.engine import EngineClient
 from sao_megatron.rollout.runner import EpisodeError, run_episode, sample_action, stop_token_ids
@@ -74,7 +73,9 @@ def evaluate(
     "eval/success_rate" (mean over envs), "eval/num_errors"}, plus "eval/<env>/mean_progress"
     and its standard error "eval/<env>/progress_se" for environments whose episode info
     reports "progress" (Hanoi: fraction of the initial optimal distance removed; episodes that
-    failed with an error count 0). Episodes are spread round-robin
+    failed with an error count 0), plus "eval/<env>/<metric>" for each metric the environment
+    computes from its episodes' final infos (`sao_megatron.envs.base.episode_metrics`: Hanoi's
+    per-move error rates). Episodes are spread round-robin
     over the engines; an episode that fails (EpisodeError) counts as unsolved and is counted in
     num_errors.
     """
@@ -133,12 +134,15 @@ def evaluate(
             from sao_megatron.rollout.gateway import close_shared_gateway
 
             await close_shared_gateway()
-        return _summarise(results, labels, success_threshold)
+        return _summarise(results, labels, success_threshold, dict(zip(labels, envs, strict=True)))
 
     return asyncio.run(main())
 
 
-def _summarise(results, names, threshold) -> dict[str, float]:
+def _summarise(results, names, threshold, specs=None) -> dict[str, float]:
+    """The summary of `evaluate` from its ``(label, trajectory or None)`` results; `specs`
+    (label -> EnvSpec) adds each environment's own metrics (`episode_metrics`)."""
+    specs = specs or {}
     out: dict[str, float] = {"eval/num_errors": float(sum(t is None for _, t in results))}
     rates = []
     for name in dict.fromkeys(names):
@@ -153,8 +157,10 @@ def _summarise(results, names, threshold) -> dict[str, float]:
             out[f"eval/{name}/mean_progress"] = mean
             var = sum((x - mean) ** 2 for x in full) / max(len(full) - 1, 1)
             out[f"eval/{name}/progress_se"] = math.sqrt(var / len(full))
-        finals = [t.info for t in trajs if t is not None]  # the last step's info: episode totals
-        out |= {f"eval/{name}/{k}": v for k, v in move_error_rates(finals).items()}
+        if name in specs:  # the environment's own metrics, through its registry hook
+            finals = [t.info for t in trajs if t is not None]  # last step's info: episode totals
+            own = episode_metrics(specs[name], finals)
+            out |= {f"eval/{name}/{k}": v for k, v in own.items()}
         rate = sum(solved) / max(len(trajs), 1)
         rates.append(rate)
         out[f"eval/{name}/success_rate"] = rate

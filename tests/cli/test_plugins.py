@@ -138,7 +138,7 @@ def test_builtin_algorithms_take_no_options():
 
 
 def test_serve_takes_the_same_import_flag(capsys):
-    from sao_megatron.rollout.serve import main as serve_main
+    from sao_megatron.cli.serve import main as serve_main
 
     with pytest.raises(SystemExit) as e:
         serve_main([CONFIG, "--import", "no_such_plugin_xyz"])
@@ -146,6 +146,18 @@ def test_serve_takes_the_same_import_flag(capsys):
     err = capsys.readouterr().err
     assert "plug-in error: --import: cannot import 'no_such_plugin_xyz'" in err
     assert err.count("\n") == 1
+    # the SLURM script's spelling: a config without rollout.engine_urls_file stops before any
+    # engine starts, in one line
+    p = subprocess.run(
+        [sys.executable, "-m", "sao_megatron.cli.serve", CONFIG],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 2, p.stdout + p.stderr
+    last = p.stderr.strip().splitlines()[-1]  # (after the warnings of third-party imports)
+    assert last.startswith("sao-serve: config error: rollout.engine_urls_file is not set")
 
 
 # ------------------------------------------------------------------ ReBN's math

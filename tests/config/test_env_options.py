@@ -164,7 +164,7 @@ SAME_AS = {"chain_sum": "reasoning_gym", "basic_arithmetic": "reasoning_gym"}  #
 
 def test_documented_option_tables_are_generated_from_the_schemas():
     """docs/ENVIRONMENTS.md lists each environment's options as `options_table` renders its
-    schema; regenerate a stale table with `python -m sao_megatron.envs options NAME`."""
+    schema; regenerate a stale table with `python -m sao_megatron.cli.envs options NAME`."""
     from sao_megatron.envs.base import fixed_options, options_schema
     from sao_megatron.envs.options import options_table
 

@@ -1,9 +1,9 @@
 import io
 from contextlib import redirect_stdout
 
+from sao_megatron.cli.envs import main
 from sao_megatron.data.demonstrations import run_demonstration
 from sao_megatron.envs import make_env
-from sao_megatron.envs.__main__ import main
 
 
 def _run(argv):

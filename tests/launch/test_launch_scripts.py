@@ -163,9 +163,9 @@ def _serve_command(lines: list[str]) -> list[str]:
     """The engine step's printed srun command line (ROLLOUT_NODES > 0)."""
     for line in lines:
         argv = shlex.split(line)
-        if "sao_megatron.rollout.serve" in argv:
+        if "sao_megatron.cli.serve" in argv:
             return argv
-    raise AssertionError(f"no sao_megatron.rollout.serve command in {lines}")
+    raise AssertionError(f"no sao_megatron.cli.serve command in {lines}")
 
 
 # A fake `scontrol` that expands "n[1-3]" as a live SLURM does, and one that fails as it does
@@ -232,7 +232,7 @@ def test_slurm_script_gives_rollout_nodes_their_own_step(
     assert ("--overlap" in serve and "--overlap" in train) == shared
     assert ("--overlap" not in serve and "--overlap" not in train) == (not shared)
     # Both steps get the same config and overrides; the trainer finds the engines by the file.
-    i = serve.index("sao_megatron.rollout.serve")
+    i = serve.index("sao_megatron.cli.serve")
     assert serve[i + 1 :] == args
     job = _load(args)
     assert job.rollout.engine_urls_file == urls_file and not job.rollout.launches_engines
@@ -245,7 +245,7 @@ def test_slurm_script_gives_rollout_nodes_their_own_step(
 
 def test_slurm_script_without_rollout_nodes_has_one_step():
     lines = _dry_run(SLURM, [], SLURM_NNODES="2", SLURM_JOB_NODELIST="n[1-2]")
-    assert not any("sao_megatron.rollout.serve" in line for line in lines)
+    assert not any("sao_megatron.cli.serve" in line for line in lines)
     train, args = _train_command(lines)
     assert "--nodes=2" in train and not any(a.startswith("--nodelist") for a in train)
     assert _load(args).rollout.launches_engines

@@ -299,9 +299,10 @@ def _weight_version(url: str) -> int | None:
 @pytest.mark.timeout(3600)
 def test_rollout_engines_in_their_own_job_step(slurm_cluster, tmp_path):
     """ROLLOUT_NODES=1 on the one-node cluster: the vLLM engines run in a job step of their
-    own (`sao_megatron.rollout.serve`, sharing the node with the trainer's step), the trainer
-    finds them through RUN_DIR/rollout/engine_urls.json, loads its weights into them and syncs
-    every new version through the shared run_dir; it starts no engine itself."""
+    own (`sao-serve`: `python -m sao_megatron.cli.serve`, sharing the node with the trainer's
+    step), the trainer finds them through RUN_DIR/rollout/engine_urls.json, loads its weights
+    into them and syncs every new version through the shared run_dir; it starts no engine
+    itself."""
     run_dir = tmp_path / "run"
     rl_steps = 4
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SAO_"))}

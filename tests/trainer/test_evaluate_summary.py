@@ -86,3 +86,22 @@ def test_two_entries_of_one_environment_get_their_own_metrics():
     # the same env_id twice: both fall back to the entry index
     same = [EnvSpec(name="gem", options={"env_id": "game:Mastermind-v0-easy"})] * 2
     assert eval_labels(same) == ["gem[0]", "gem[1]"]
+
+
+def test_each_environment_adds_its_own_metrics_through_the_registry():
+    """Hanoi's per-move error rates come from its registry hook (`episode_metrics`), pooled over
+    the finished episodes' final infos; an environment without a hook adds none."""
+    moves = {"num_optimal_moves": 3, "num_non_optimal_moves": 0, "num_malformed_actions": 0}
+    envs = [EnvSpec(name="hanoi", options={"horizon": 3}), EnvSpec(name="chain_sum")]
+    results = [
+        ("hanoi", _traj([1.0], {**moves, "num_steps": 3, "num_illegal_moves": 0})),
+        ("hanoi", _traj([0.0], {**moves, "num_steps": 1, "num_illegal_moves": 1})),
+        ("hanoi", None),  # an error: no info to pool
+        ("chain_sum", _traj([1.0], {"num_steps": 1})),
+    ]
+    specs = {"hanoi": envs[0], "chain_sum": envs[1]}
+    out = _summarise(results, ["hanoi", "chain_sum"], 1.0, specs)
+    assert out["eval/hanoi/illegal_move_rate"] == pytest.approx(1 / 4)
+    assert out["eval/hanoi/non_optimal_move_rate"] == 0.0
+    assert out["eval/hanoi/num_moves"] == 4.0
+    assert not any(k.startswith("eval/chain_sum/") and "move" in k for k in out)

@@ -4,6 +4,11 @@
 (``run_episode``) instead of the text-step loop; `make_agent_environment` builds one from a job
 config's ``tasks.train: [{name: agent, options: {agent: "file.py:run", task:
 "file.py:make_task"}}]`` (`resolve` loads ``"package.module:name"`` or ``"path/to/file.py:name"``).
+
+This module registers the ``agent`` environment (`make_agent`, options `AgentOptions`, checked
+when the job config loads like every environment's). The environment registry imports it by
+its import path the first time a config or a caller names ``agent``
+(`sao_megatron.envs.base.LAZY_ENVS`), so a job needs no import of its own.
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ import inspect
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from sao_megatron.data.trajectory import Trajectory
+from sao_megatron.envs.base import options_config, register_env
 from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.engine import REPO_ROOT
 from sao_megatron.rollout.gateway.demonstration import AgentDemonstration, check_record
@@ -217,4 +224,61 @@ def make_agent_environment(
     demonstrate = None if demonstration is None else resolve(demonstration, "demonstration")
     return AgentEnvironment(
         run, resolve(task, "task"), name=env_name, max_turns=max_turns, demonstrate=demonstrate
+    )
+
+
+def _is_reference(value: str) -> bool:
+    """``"package.module:function"`` or ``"path/to/file.py:function"`` (as `resolve` reads it:
+    the last ``:`` splits module from name)."""
+    module, _, name = value.rpartition(":")
+    return bool(module) and name.isidentifier()
+
+
+@dataclass(kw_only=True)
+class AgentOptions:
+    """Options of the ``agent`` environment (``tasks.train: [{name: agent, options: {...}}]``).
+
+    Fields:
+        agent: the agent, ``async def run(task, client) -> float``, as
+            ``"package.module:function"`` or ``"path/to/file.py:function"`` (or the function).
+        task: ``seed -> task`` (plain or async; what the agent receives), given the same way.
+        demonstration: optional ``task -> {"messages": [...], "tools": [...]}``, the gold
+            conversation of a task (the SFT stage's data), given the same way.
+        env_name: the name recorded in each trajectory's ``info["env"]``.
+        max_turns: model calls per episode before truncation (>= 1, capped by
+            ``rollout.max_turns``); null: ``rollout.max_turns``.
+    """
+
+    CONFIG_SECTION: ClassVar[str] = "agent"  # messages say agent.<field> (see envs.options)
+
+    agent: str | Callable[..., Any]
+    task: str | Callable[..., Any]
+    demonstration: str | Callable[..., Any] | None = None
+    env_name: str = "agent"
+    max_turns: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("agent", "task", "demonstration"):
+            value = getattr(self, name)
+            if isinstance(value, str) and not _is_reference(value):
+                raise ValueError(
+                    f"agent.{name}={value!r}: give 'package.module:function' or 'file.py:function'"
+                )
+        if not self.env_name:
+            raise ValueError("agent.env_name='': give the name trajectories record")
+        if self.max_turns is not None and self.max_turns < 1:
+            raise ValueError(f"agent.max_turns={self.max_turns!r}: must be >= 1 or null")
+
+
+@register_env("agent", options=AgentOptions)
+def make_agent(**options: Any) -> AgentEnvironment:
+    """The ``agent`` environment: an OpenAI-SDK agent function run through the chat gateway
+    (docs/AGENTS.md); the options are `AgentOptions`' fields."""
+    o = options_config("agent", options)
+    return make_agent_environment(
+        agent=o.agent,
+        task=o.task,
+        demonstration=o.demonstration,
+        env_name=o.env_name,
+        max_turns=o.max_turns,
     )
