@@ -12,8 +12,6 @@ a job config loads.
 """
 
 import importlib.util
-from collections.abc import Mapping, Sequence
-from typing import Any
 
 from sao_megatron.envs import gem, hanoi, latency, reasoning_gym_tasks  # noqa: F401  (registers)
 from sao_megatron.envs.base import (
@@ -31,15 +29,6 @@ from sao_megatron.envs.base import (
     task_id,
 )
 
-
-def _hanoi_episode_metrics(
-    infos: Sequence[Mapping[str, Any]], options: Mapping[str, Any]
-) -> dict[str, float]:
-    """Hanoi's evaluation metrics: its per-move error rates (`hanoi.move_error_rates`)."""
-    return hanoi.move_error_rates(list(infos))
-
-
-register_episode_metrics("hanoi", _hanoi_episode_metrics)
 latency.register()
 
 if importlib.util.find_spec("minigrid") is not None:  # optional dependency

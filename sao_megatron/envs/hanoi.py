@@ -93,6 +93,12 @@ class HanoiEnv:
     def _budget(self, horizon: int) -> int:
         return math.ceil(self.config.max_steps_factor * horizon - 1e-9)
 
+    @staticmethod
+    def episode_metrics(infos: list[dict[str, Any]], options: dict[str, Any]) -> dict[str, float]:
+        """Evaluation metrics of finished episodes (`sao_megatron.envs.base.episode_metrics`):
+        the per-move error rates (`move_error_rates`); `options` change nothing here."""
+        return move_error_rates(infos)
+
     # ------------------------------------------------------------------ episode
     def draw_puzzle(self, seed: int) -> tuple[int, State, State, int | None, int | None]:
         """(H, start, goal, start peg, target peg) of episode `seed` without starting it (the
