@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 from sao_megatron.cli import train
-from sao_megatron.trainer import controller
+from sao_megatron.trainer import context
 
-_pack = controller.pack_trajectories
+_pack = context.pack_trajectories
 
 
 def _recording_pack(trajs, **kw):
@@ -27,5 +27,5 @@ def _recording_pack(trajs, **kw):
 
 if __name__ == "__main__":
     _RUN_DIR = next(a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("run_dir="))
-    controller.pack_trajectories = _recording_pack
+    context.pack_trajectories = _recording_pack
     sys.exit(train.main(sys.argv[1:]))

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 from sao_megatron.cli import train
-from sao_megatron.trainer import controller, step_advantages
+from sao_megatron.trainer import context, step_advantages
 
-_pack = controller.pack_trajectories
+_pack = context.pack_trajectories
 _advantage_inputs = step_advantages.StepAdvantages.inputs
 
 
@@ -64,6 +64,6 @@ def _recording_advantage_inputs(self, real):
 
 if __name__ == "__main__":
     _RUN_DIR = next(a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("run_dir="))
-    controller.pack_trajectories = _recording_pack
+    context.pack_trajectories = _recording_pack
     step_advantages.StepAdvantages.inputs = _recording_advantage_inputs
     sys.exit(train.main(sys.argv[1:]))

@@ -152,7 +152,10 @@ def test_sao_phases_match_flop_counter(monkeypatch, parallel_1rank):
     from tests.conftest import tiny_moe_kwargs
 
     model = {**tiny_moe_kwargs(), "vocab_size": 300}
-    overrides = [f"model.{k}={v}" for k, v in model.items()] + ["tokenizer.vocab_size=300"]
+    overrides = [f"model.{k}={v}" for k, v in model.items()] + [
+        "tokenizer.vocab_size=300",
+        "rollout.max_tokens_per_action=16",
+    ]
     job = load_config(JobConfig, None, overrides)
     policy, value, step, batch = bench.build_trainer(job, parallel_1rank, 4, 16, 2)
     pf = bench.trainable_fractions(_named(policy.unwrapped))
@@ -193,7 +196,10 @@ def test_grpo_step_matches_flop_counter(parallel_1rank):
     from tests.conftest import tiny_moe_kwargs
 
     model = {**tiny_moe_kwargs(), "vocab_size": 300}
-    overrides = [f"model.{k}={v}" for k, v in model.items()] + ["tokenizer.vocab_size=300"]
+    overrides = [f"model.{k}={v}" for k, v in model.items()] + [
+        "tokenizer.vocab_size=300",
+        "rollout.max_tokens_per_action=16",
+    ]
     job = load_config(JobConfig, None, overrides)  # SAO job; GRPO takes its default G = 8
     group = job.algorithm.grpo.group_size
     assert group == 8
