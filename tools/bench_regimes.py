@@ -75,6 +75,9 @@ sys.path.insert(0, str(REPO / "tools"))
 import benchlib  # noqa: E402
 import torch  # noqa: E402
 
+from sao_megatron.algorithm import registry  # noqa: E402
+from sao_megatron.algorithm.base import Algorithm  # noqa: E402
+from sao_megatron.algorithm.config import AlgorithmConfig, GRPOConfig  # noqa: E402
 from sao_megatron.envs.base import StepResult  # noqa: E402
 from sao_megatron.envs.heavy_tail import sample_heavy_tailed  # noqa: E402
 from sao_megatron.envs.latency import LatencyConfig, LatencyEnv  # noqa: E402
@@ -188,6 +191,16 @@ def task_stream(regime: Regime, run_seed: int):
 
 
 # ---------------------------------------------------------------------------- one cell
+def build_algorithm(name: str, group_size: int) -> Algorithm:
+    """The registered algorithm `name` with its defaults and, if it reads ``algorithm.grpo``,
+    groups of `group_size`: the cell asks it how many trajectories it samples per task
+    (``group_size``) and whether its trainer step updates a critic (``needs_value_model``)."""
+    config = AlgorithmConfig(name=name)
+    if "grpo" in registry.get(name).config_sections(config):
+        config = AlgorithmConfig(name=name, grpo=GRPOConfig(group_size=group_size))
+    return registry.build(config)
+
+
 TOKEN_COUNTERS = ("generated_tokens", "consumed_tokens", "discarded_tokens", "stale_dropped_tokens")
 
 
@@ -199,8 +212,10 @@ def run_cell(
     formatter=None,
 ) -> dict:
     """Run one (regime, algorithm, seed) cell; return its figures (see the module docstring)."""
-    g = 1 if algorithm == "sao" else args.group_size
-    step_s = args.sao_step_s if algorithm == "sao" else args.grpo_step_s
+    algo = build_algorithm(algorithm, args.group_size)
+    g = algo.group_size
+    # the trainer's step: value and policy updates with a critic, the policy's alone without
+    step_s = args.sao_step_s if algo.needs_value_model else args.grpo_step_s
     eta = args.max_staleness
     engines = {
         f"http://fake{i}": FakeEngine(f"engine{i}", args.token_latency_s)
@@ -352,7 +367,8 @@ def table(results: list[dict], args: argparse.Namespace) -> str:
             cell = [r for r in results if r["regime"] == regime and r["algorithm"] == algo]
             if not cell:
                 continue
-            name = algo.upper() if algo == "sao" else f"GRPO (G={cell[0]['group_size']})"
+            g = cell[0]["group_size"]  # the algorithm's, recorded by run_cell
+            name = algo.upper() + (f" (G={g})" if g > 1 else "")
             vals = " | ".join(mean_se([r[k] for r in cell], f) for k, _, f in COLUMNS)
             rows.append(f"| {regime} | {name} | {cell[0]['trainer_step_s']:g} | {vals} |\n")
     return head + "".join(rows)
@@ -408,9 +424,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="repeat r runs with seed + r")
     p.add_argument("--budget-s", type=float, default=20.0, help="measured seconds per cell")
     p.add_argument("--warmup-steps", type=int, default=2)
-    p.add_argument("--sao-step-s", type=float, default=0.49, help="SAO trainer step, seconds")
-    p.add_argument("--grpo-step-s", type=float, default=0.2, help="GRPO trainer step, seconds")
-    p.add_argument("--group-size", type=int, default=8, help="GRPO group size G")
+    p.add_argument(
+        "--sao-step-s",
+        type=float,
+        default=0.49,
+        help="trainer step of an algorithm with a critic (SAO), seconds",
+    )
+    p.add_argument(
+        "--grpo-step-s",
+        type=float,
+        default=0.2,
+        help="trainer step of an algorithm without a critic (GRPO), seconds",
+    )
+    p.add_argument("--group-size", type=int, default=8, help="group size G of grouped algorithms")
     p.add_argument("--batch", type=int, default=16, help="rollout.trajectories_per_batch")
     p.add_argument("--concurrency", type=int, default=16, help="max_concurrent_episodes")
     p.add_argument("--max-staleness", type=int, default=1)

@@ -33,41 +33,54 @@ from pathlib import Path
 import benchlib
 from benchlib import REPO, RunFigures, run_figures, run_job, seed_from_sft, shared_sft, spread
 
+#: each algorithm's own settings in these benchmarks, beyond the job config's (``{G}``: the
+#: --group-size): "sao" runs the config's algorithm as it stands (an SAO config); GRPO+DIS keeps
+#: the DIS band of its default weighting; GRPO clips at 0.2 on recomputed old log-probs. What a
+#: run needs besides (value pre-training, the config's settings to reset) is asked of the
+#: algorithm in `algo_overrides`.
+ALGORITHM_SETTINGS = {
+    "sao": [],
+    "grpo": [
+        "algorithm.name=grpo",
+        "algorithm.grpo.group_size={G}",
+        "algorithm.ppo.clip_low=0.2",
+        "algorithm.ppo.clip_high=0.2",
+    ],
+    "grpo_dis": ["algorithm.name=grpo_dis", "algorithm.grpo.group_size={G}"],
+}
+
 
 def algo_overrides(algo: str, group_size: int, has_value_pretrain: bool, base=None) -> list[str]:
-    """Overrides of one algorithm's runs; a GRPO run of an SAO config resets the config's
-    algorithm.sao keys to their defaults (GRPO does not read them: leaving them set is an error)."""
-    if algo == "sao":
-        return benchlib.sao_overrides(has_value_pretrain)
-    from sao_megatron.algorithm.config import SAOConfig
+    """Overrides of one algorithm's runs of the job config `base` (its `JobConfig`): the stages
+    (the config's value pre-training only for an algorithm with a critic), the algorithm's
+    `ALGORITHM_SETTINGS`, and, when those name the algorithm (it is not the config's as it
+    stands), the config's importance weighting reset to the algorithm's default and its
+    ``algorithm.sao`` keys to theirs where the algorithm does not read them (leaving them set is
+    an error)."""
+    if algo not in ALGORITHM_SETTINGS:
+        raise ValueError(f"--algorithms {algo!r}: use one of {', '.join(ALGORITHM_SETTINGS)}")
+    from sao_megatron.algorithm import registry
+    from sao_megatron.algorithm.config import AlgorithmConfig, SAOConfig
 
-    sao_defaults = []
-    if base is not None and base.algorithm.importance.weighting is not None:
-        # an SAO config's explicit weighting (dis_band) is not GRPO's: each takes its default
-        sao_defaults.append("algorithm.importance.weighting=null")
-    if base is not None:
+    own = [o.format(G=group_size) for o in ALGORITHM_SETTINGS[algo]]
+    named = [o.split("=", 1)[1] for o in own if o.startswith("algorithm.name=")]
+    # the algorithm the run trains, asked what it needs (not told by its name)
+    if named or base is None:
+        algorithm = registry.build(AlgorithmConfig(name=named[-1] if named else algo))
+    else:
+        algorithm = registry.build(base.algorithm)
+    stages = "[value_pretrain,rl]" if has_value_pretrain and algorithm.needs_value_model else "[rl]"
+    resets = []
+    if base is not None and named:
+        # the config's weighting (an SAO config's dis_band) is its algorithm's: each takes its own
+        resets.append("algorithm.importance.weighting=null")
+    if base is not None and "sao" not in type(algorithm).config_sections(algorithm.config):
         default = SAOConfig()
         for f in dataclasses.fields(SAOConfig):
             if getattr(base.algorithm.sao, f.name) != getattr(default, f.name):
                 value = getattr(default, f.name)
-                sao_defaults.append(f"algorithm.sao.{f.name}={'null' if value is None else value}")
-    if algo == "grpo_dis":  # group advantages, the config's DIS band on behaviour log-probs
-        return [
-            "stages=[rl]",
-            "algorithm.name=grpo_dis",
-            f"algorithm.grpo.group_size={group_size}",
-            *sao_defaults,
-        ]
-    if algo != "grpo":
-        raise ValueError(f"--algorithms {algo!r}: use sao, grpo or grpo_dis")
-    return [
-        "stages=[rl]",
-        "algorithm.name=grpo",
-        f"algorithm.grpo.group_size={group_size}",
-        "algorithm.ppo.clip_low=0.2",
-        "algorithm.ppo.clip_high=0.2",
-        *sao_defaults,
-    ]
+                resets.append(f"algorithm.sao.{f.name}={'null' if value is None else value}")
+    return [f"stages={stages}", *own, *resets]
 
 
 #: table / legend names of the algorithms
@@ -114,11 +127,18 @@ def main(argv=None) -> int:
 
     base = load_config(JobConfig, str(REPO / args.config), args.override)
     has_vp = base.value_pretrain.steps > 0
+    # which runs train a critic: asked of each run's algorithm (its resolved job config)
+    critic = {
+        a: benchlib.job_algorithm(
+            args.config, [*args.override, *algo_overrides(a, args.group_size, has_vp, base)]
+        ).needs_value_model
+        for a in args.algorithms
+    }
     out = (REPO / args.out).resolve()
     start_info = benchlib.machine_info()
     sft = shared_sft(args.config, args.override, out / "sft")
     shared_vp = None
-    if args.shared_value_pretrain and has_vp and "sao" in args.algorithms:
+    if args.shared_value_pretrain and has_vp and any(critic.values()):
         shared_vp = shared_value_pretrain(args.config, args.override, sft, out / "value_pretrain")
     runs: dict[str, list[RunFigures]] = {a: [] for a in args.algorithms}
     for r in range(args.first_seed, args.first_seed + args.repeats):
@@ -128,9 +148,9 @@ def main(argv=None) -> int:
             ov = benchlib.rl_overrides(args.override, args.budget_s, args.num_eval_tasks, r)
             if args.eval_interval_s:
                 ov.append(f"rl.eval_interval_s={args.eval_interval_s:g}")
-            if algo == "sao" and shared_vp is not None:
+            if critic[algo] and shared_vp is not None:  # RL only, from the shared critic
                 seed_critic(shared_vp.run_dir, run_dir)
-                ov += ["stages=[rl]"]
+                ov += algo_overrides(algo, args.group_size, False, base)
             else:
                 ov += algo_overrides(algo, args.group_size, has_vp, base)
             run_job(args.config, ov, run_dir)
@@ -354,17 +374,17 @@ def plot_curves(runs: dict[str, list[RunFigures]], path: Path, args) -> None:
     colours = {"sao": "tab:blue", "grpo": "tab:orange", "grpo_dis": "tab:green"}
     if timed:
         _plot_time_to_accuracy(axes[2], runs, colours)
-        for i, f in enumerate(runs.get("sao", [])):
-            if f.ev_curve:
+        for algo, figs in runs.items():  # the runs that trained a critic log its EV
+            critic_runs = [f for f in figs if f.ev_curve]
+            for i, f in enumerate(critic_runs):
                 xs, ys = zip(*f.ev_curve, strict=True)
-                axes[3].plot(
-                    xs, ys, color=colours["sao"], alpha=0.7, label="SAO" if i == 0 else None
-                )
+                label = NAMES[algo] if i == 0 else None
+                axes[3].plot(xs, ys, color=colours[algo], alpha=0.7, label=label)
         axes[3].axhline(0.3, color="grey", ls=":", lw=1)
         axes[3].set(
             xlabel="wall-clock since RL start (s)",
             ylabel="explained variance (before the step's updates)",
-            title="SAO critic",
+            title="Critic",
             ylim=(-0.5, 1.0),
         )
     for algo, figs in runs.items():

@@ -341,12 +341,6 @@ def main(argv=None) -> int:
     if args.tag and not args.tag.replace("-", "").replace("_", "").isalnum():
         ap.error(f"--tag {args.tag!r}: use letters, digits, '-' and '_' (it names folders)")
     batch = args.trajectories_per_batch
-    grouped = any(a != "sao" for a in args.algorithms)  # grpo and grpo_dis sample groups
-    if batch is not None and (batch < 1 or (grouped and batch % args.group_size)):
-        ap.error(
-            f"--trajectories-per-batch {batch}: must be >= 1 and, with GRPO, a multiple of "
-            f"--group-size {args.group_size} (whole groups per update)"
-        )
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     seeded = seeds != [0]  # a lone seed 0 keeps the single-seed row labels
 
@@ -354,10 +348,24 @@ def main(argv=None) -> int:
     from sao_megatron.trainer.job import JobConfig
 
     base = load_config(JobConfig, str(REPO / args.config), args.override)
+    has_vp = base.value_pretrain.steps > 0
+    if batch is not None:
+        # trajectories each algorithm samples per task, asked of its run's resolved config
+        groups = {
+            a: benchlib.job_algorithm(
+                args.config, [*args.override, *algo_overrides(a, args.group_size, has_vp, base)]
+            ).group_size
+            for a in args.algorithms
+        }
+        if batch < 1 or any(batch % g for g in groups.values()):
+            sizes = ", ".join(f"{NAMES[a]} {g}" for a, g in groups.items())
+            ap.error(
+                f"--trajectories-per-batch {batch}: must be >= 1 and a multiple of every "
+                f"algorithm's group size (whole groups per update; {sizes})"
+            )
     out = (REPO / args.out).resolve()
     start_info = benchlib.machine_info()
     sft = shared_sft(args.config, args.override, out / "sft")
-    has_vp = base.value_pretrain.steps > 0
     runs = {}
     for k in args.max_staleness:
         for seed in seeds:

@@ -188,6 +188,18 @@ def sao_overrides(has_value_pretrain: bool) -> list[str]:
     return ["stages=[value_pretrain,rl]" if has_value_pretrain else "stages=[rl]"]
 
 
+def job_algorithm(config: str, overrides: list[str]):
+    """The algorithm object the job `config` + `overrides` trains: `registry.build` of its
+    resolved ``algorithm`` section. Tools ask it what a run needs (``needs_value_model``: a
+    critic and its pre-training; ``group_size`` > 1: grouped sampling) instead of testing
+    ``algorithm.name``."""
+    from sao_megatron.algorithm import registry
+    from sao_megatron.configs import load_config
+    from sao_megatron.trainer.job import JobConfig
+
+    return registry.build(load_config(JobConfig, str(REPO / config), overrides).algorithm)
+
+
 # ---------------------------------------------------------------------------- run summary
 @dataclass
 class RunFigures:

@@ -194,8 +194,8 @@ def bench_policies(bench: Path) -> dict[str, str]:
 
     runs = []
     for d in bench.iterdir() if bench.is_dir() else []:
-        m = re.fullmatch(r"(sao|grpo|grpo_dis)_r(\d+)", d.name)
-        if m and (d / "hf_policy_final" / "config.json").exists():
+        m = re.fullmatch(r"(\w+)_r(\d+)", d.name)  # <algorithm>_r<seed>
+        if m and m.group(1) in names and (d / "hf_policy_final" / "config.json").exists():
             runs.append((list(names).index(m.group(1)), int(m.group(2)), m.group(1), d))
     runs.sort()
     if not runs:

@@ -79,8 +79,9 @@ class Study:
             `eval_interval` RL steps and after.
         save_interval: RL checkpoint every this many steps (what an interruption can lose).
         shared_sft / shared_value_pretrain: run these stages once for all cells (see module).
-        algorithms: name -> overrides; "sao", "grpo" and "grpo_dis" get the overrides of
-            `tools/bench_sao_vs_grpo.py` (`algo_overrides`) before their own.
+        algorithms: name -> overrides; a name with settings in `tools/bench_sao_vs_grpo.py`
+            (`ALGORITHM_SETTINGS`: sao, grpo, grpo_dis) gets its `algo_overrides` before its
+            own.
         variants: name -> `Variant`; "" is the baseline (no overrides), implied unless
             `include_baseline` is false (a study of variants only, e.g. staleness bounds).
         seeds: the seeds of every (algorithm, variant); seed N sets ``seed=N rollout.seed=N``:
@@ -155,9 +156,11 @@ class Cell:
 
 
 def _algorithm_overrides(study: Study, name: str, base) -> list[str]:
-    if name in ("sao", "grpo", "grpo_dis"):
-        from bench_sao_vs_grpo import algo_overrides
+    """The benchmark settings of `name` (`bench_sao_vs_grpo.ALGORITHM_SETTINGS`, when it has
+    some) without their stages: the cell's stages are asked of its algorithm in `cells`."""
+    from bench_sao_vs_grpo import ALGORITHM_SETTINGS, algo_overrides
 
+    if name in ALGORITHM_SETTINGS:
         return [
             o
             for o in algo_overrides(name, study.group_size, False, base)

@@ -176,9 +176,9 @@ def test_a_larger_rl_batch_has_its_own_folders_labels_and_command(capsys):
     )
     with pytest.raises(SystemExit):  # 20 is not a whole number of GRPO groups of 8
         bench.main(["--algorithms", "grpo", "--trajectories-per-batch", "20"])
-    assert "--trajectories-per-batch 20: must be >= 1 and, with GRPO, a multiple of" in (
-        capsys.readouterr().err
-    )
+    err = capsys.readouterr().err  # the group size asked of the GRPO run's algorithm
+    assert "--trajectories-per-batch 20: must be >= 1 and a multiple of every" in err
+    assert "(whole groups per update; GRPO 8)" in err
 
 
 def test_a_tagged_variant_has_its_own_folders_labels_and_command(capsys):

@@ -305,3 +305,31 @@ def test_eval_horizon_reuses_a_policy_result_only_for_the_same_evaluation(tmp_pa
     assert eval_horizon.load_cached(tmp_path, "SAO r1", key) is None
     for field, other in (("num_tasks", 16), ("horizons", [50]), ("overrides", [])):
         assert eval_horizon.load_cached(tmp_path, "SAO r0", key | {field: other}) is None
+
+
+def test_bench_overrides_ask_the_run_s_algorithm_what_it_needs():
+    """bench_sao_vs_grpo's runs (and bench_stability's, study's): value pre-training only for
+    an algorithm with a critic, the config's SAO keys reset only for one that does not read
+    them; `benchlib.job_algorithm` answers for the resolved job (critic, group size)."""
+    import bench_sao_vs_grpo as b
+
+    from sao_megatron.configs import load_config
+
+    config = "examples/configs/quickstart.yaml"
+    sao_key = "algorithm.sao.value_updates_per_policy_update"  # default 2
+    base = load_config(JobConfig, str(ROOT / config), [f"{sao_key}=3"])
+    assert b.algo_overrides("sao", 4, True, base) == ["stages=[value_pretrain,rl]"]
+    assert b.algo_overrides("sao", 4, False, base) == ["stages=[rl]"]
+    assert b.algo_overrides("grpo_dis", 4, True, base) == [
+        "stages=[rl]",
+        "algorithm.name=grpo_dis",
+        "algorithm.grpo.group_size=4",
+        "algorithm.importance.weighting=null",
+        f"{sao_key}=2",
+    ]
+    for algo, critic, group in (("sao", True, 1), ("grpo", False, 4), ("grpo_dis", False, 4)):
+        ov = [f"{sao_key}=3", *b.algo_overrides(algo, 4, True, base)]
+        run = benchlib.job_algorithm(config, ov)
+        assert (run.name, run.needs_value_model, run.group_size) == (algo, critic, group)
+    with pytest.raises(ValueError, match="use one of sao, grpo, grpo_dis"):
+        b.algo_overrides("ppo", 4, True, base)
