@@ -160,10 +160,14 @@ def shared_sft(config: str, overrides: list[str], out: Path) -> Path:
 
 def seed_from_sft(sft_dir: Path, run_dir: Path) -> None:
     """Give run_dir the SFT run's tokenizer and final SFT checkpoint (hard links), so that a job
-    with stages without "sft" starts RL from those weights (controller: rl_stage)."""
+    with stages without "sft" starts RL from those weights (controller: rl_stage). A job with
+    a Hugging Face tokenizer (``tokenizer.kind: hf``) trains none: its run has no tokenizer/ and
+    each run reads the model's own."""
+    if not (sft_dir / "checkpoints" / "sft").is_dir():
+        raise FileNotFoundError(f"{sft_dir}: no checkpoints/sft: the SFT run did not finish")
     for sub in ("tokenizer", "checkpoints/sft"):
         dst = run_dir / sub
-        if not dst.exists():
+        if not dst.exists() and (sft_dir / sub).exists():
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copytree(sft_dir / sub, dst, copy_function=os.link)
 

@@ -333,3 +333,22 @@ def test_bench_overrides_ask_the_run_s_algorithm_what_it_needs():
         assert (run.name, run.needs_value_model, run.group_size) == (algo, critic, group)
     with pytest.raises(ValueError, match="use one of sao, grpo, grpo_dis"):
         b.algo_overrides("ppo", 4, True, base)
+
+
+def test_seed_from_sft_links_the_checkpoint_and_a_trained_tokenizer_only(tmp_path):
+    """A sentencepiece run's tokenizer/ is linked with its SFT checkpoint; an HF-tokenizer run
+    (tokenizer.kind: hf) has none, and only its checkpoint is linked; no checkpoint is an error."""
+    sft = tmp_path / "sft"
+    (sft / "checkpoints" / "sft" / "step_00000002").mkdir(parents=True)
+    (sft / "checkpoints" / "sft" / "step_00000002" / "shard.pt").write_text("w")
+    hf_run = tmp_path / "hf_run"
+    benchlib.seed_from_sft(sft, hf_run)
+    assert (hf_run / "checkpoints/sft/step_00000002/shard.pt").read_text() == "w"
+    assert not (hf_run / "tokenizer").exists()
+    (sft / "tokenizer").mkdir()
+    (sft / "tokenizer" / "tokenizer.model").write_text("sp")
+    sp_run = tmp_path / "sp_run"
+    benchlib.seed_from_sft(sft, sp_run)
+    assert (sp_run / "tokenizer" / "tokenizer.model").read_text() == "sp"
+    with pytest.raises(FileNotFoundError, match="no checkpoints/sft"):
+        benchlib.seed_from_sft(tmp_path / "missing", tmp_path / "x")
