@@ -30,6 +30,15 @@ def _seeds(job: JobConfig) -> tuple:
     return job.parallel.seed, job.tasks.train_seed, job.rollout.seed, job.tasks.eval_seed
 
 
+def _llama_folder(folder: Path, **sizes) -> Path:
+    """A Hugging Face folder holding only a Llama config.json of the given sizes."""
+    folder.mkdir(exist_ok=True)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5}
+    config |= {"tie_word_embeddings": True, "hidden_act": "silu", **sizes}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
 def _logged(job: JobConfig, caplog) -> list[str]:
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="sao_megatron.trainer"):
@@ -128,15 +137,11 @@ def test_max_model_len_follows_the_model_and_is_cross_checked(caplog):
 
 def test_max_model_len_follows_an_hf_models_config(tmp_path):
     """With init_from_hf the model (so the engine length) comes from config.json."""
-    hf = tmp_path / "hf"
-    hf.mkdir()
-    (hf / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 3000,
-        "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
-        "hidden_act": "silu",
-    }))  # fmt: skip
+    hf = _llama_folder(
+        tmp_path / "hf", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+        max_position_embeddings=3000, rope_theta=10000.0,
+    )  # fmt: skip
     hf_job = (f"init_from_hf={hf}", "tokenizer.kind=hf", f"tokenizer.path={hf}")
     assert _job(*hf_job).rollout.max_model_len == 3000
     lowered = _job(*hf_job, "model.max_position_embeddings=1000")
@@ -199,15 +204,11 @@ def _shipped_overrides(path: Path, tmp_path: Path) -> list[str]:
     here): the shipped files lower max_position_embeddings below its 8192."""
     if "SmolLM2" not in str(OmegaConf.load(path).get("init_from_hf")):
         return []
-    hf = tmp_path / "smollm2"
-    hf.mkdir(exist_ok=True)
-    (hf / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
-        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-        "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 8192,
-        "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
-        "hidden_act": "silu",
-    }))  # fmt: skip
+    hf = _llama_folder(  # SmolLM2-135M-Instruct's shape
+        tmp_path / "smollm2", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+        max_position_embeddings=8192, rope_theta=100000.0,
+    )  # fmt: skip
     return [f"init_from_hf={hf}", f"tokenizer.path={hf}"]
 
 
