@@ -16,9 +16,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any, ClassVar
-
-import reasoning_gym  # at import time, in the importing thread: registers every dataset
 
 from sao_megatron.envs.base import StepResult, options_config, register_env
 from sao_megatron.envs.options import did_you_mean
@@ -34,21 +33,28 @@ DEFAULT_INSTRUCTIONS = {
 _IMPORT_LOCK = threading.Lock()
 
 
-def _datasets() -> dict[str, Any]:
-    """reasoning-gym's dataset registry, after the whole package has been imported.
+def _reasoning_gym() -> ModuleType:
+    """The ``reasoning_gym`` package, imported on first use under a lock.
 
     ``import reasoning_gym`` registers its datasets as a side effect of importing every dataset
     module. Rollout workers build environments from several threads at once; a second thread
     importing ``reasoning_gym.factory`` while the first is still inside ``import reasoning_gym``
     saw an empty ``DATASETS`` ("'chain_sum': not a reasoning-gym dataset", seen in a real
     job: the rollout's worker threads were building environments while the evaluation did).
-    The package is therefore imported with this module (in the thread that imports
-    ``sao_megatron.envs``, before any worker starts), and again here under a lock.
+    Every use goes through here, so the whole package is imported by one thread while the
+    others wait. Not at module import: it pulls in matplotlib (through cellpylib), 1.3-2.6 s of
+    every process that imports `sao_megatron.envs` (each trainer rank, each CLI), most of which
+    never build a reasoning-gym task.
     """
     with _IMPORT_LOCK:
-        import reasoning_gym  # noqa: F401  (registers the datasets)
-        from reasoning_gym.factory import DATASETS
-    return DATASETS
+        import reasoning_gym
+        import reasoning_gym.factory  # noqa: F401  (DATASETS, filled by the line above)
+    return reasoning_gym
+
+
+def _datasets() -> dict[str, Any]:
+    """reasoning-gym's dataset registry (name -> dataset class), every dataset registered."""
+    return _reasoning_gym().factory.DATASETS
 
 
 @dataclass(kw_only=True)
@@ -131,8 +137,7 @@ class ReasoningGymEnv:
 
     def reset(self, seed: int) -> str:
         """Generate the task for `seed`; returns the question and the answer instruction."""
-        _datasets()  # the package fully imported (see _datasets)
-        ds = reasoning_gym.create_dataset(
+        ds = _reasoning_gym().create_dataset(
             self.config.dataset, seed=int(seed), size=1, **self.config.difficulty
         )
         self.entry = ds[0]

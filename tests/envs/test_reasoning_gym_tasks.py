@@ -1,4 +1,6 @@
 import re
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -45,6 +47,36 @@ def test_math_verify_reward_from_worker_threads():
     for t in threads:
         t.join()
     assert sorted(results) == [0.0, 1.0]
+
+
+# A fresh process: reasoning-gym is imported on first use (not with sao_megatron.envs), here by
+# 8 threads at once, as a rollout's worker threads do; every one must see every dataset.
+FIRST_USE_FROM_THREADS = """
+import sys, threading
+from sao_megatron.envs import make_env
+assert "reasoning_gym" not in sys.modules, "imported with sao_megatron.envs"
+out, errors = {}, []
+def work(i):
+    try:
+        out[i] = make_env("chain_sum").reset(i)
+    except BaseException as e:
+        errors.append(repr(e))
+threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+assert not errors, errors
+assert len(out) == 8 and all("=" in q for q in out.values()), out
+print("ok", len(out))
+"""
+
+
+def test_reasoning_gym_first_imported_by_eight_threads_at_once():
+    p = subprocess.run(
+        [sys.executable, "-c", FIRST_USE_FROM_THREADS], capture_output=True, text=True, check=False
+    )
+    assert p.returncode == 0 and p.stdout.strip() == "ok 8", p.stderr[-3000:]
 
 
 @pytest.mark.parametrize("name", ["chain_sum", "basic_arithmetic"])
