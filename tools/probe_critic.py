@@ -29,6 +29,8 @@ from benchlib import REPO  # noqa: E402
 
 def features(step, batch):
     """(hidden [N, h] float64, targets [N] float64, row index [N]) on the value mask."""
+    from sao_megatron.data.micro_batches import values_at_predictions
+
     critic = step._value_model("probe")
     model = critic.value.unwrapped[0] if hasattr(critic.value, "unwrapped") else critic.value.model
     captured = []
@@ -41,9 +43,8 @@ def features(step, batch):
         _, returns, vmask = critic.advantages.compute(state, values)
     finally:
         hook.remove()
-    h = torch.cat(captured)  # [B, T, hidden]: state after reading token t
-    at = torch.zeros_like(h)
-    at[:, 1:] = h[:, :-1]  # the state before token t (what V(s_t) reads)
+    h = torch.cat(captured)  # [R, T, hidden]: state after reading token t
+    at, _ = values_at_predictions(h)  # [R, T-1, hidden]: the state before token p+1, as vmask
     rows = torch.arange(vmask.shape[0])[:, None].expand_as(vmask)
     return at[vmask].double(), returns[vmask].double(), rows[vmask]
 

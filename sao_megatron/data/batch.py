@@ -1,4 +1,7 @@
-"""Pack trajectories into padded training batches (`TrainBatch`) and split them into micro-batches.
+"""Pack trajectories into one padded training batch (`TrainBatch`), the same on every rank.
+
+A train step turns it into its DP rank's padded micro-batches, shifted to prediction positions,
+in one function: `sao_megatron.data.micro_batches.layout_micro_batches`.
 
 Alignment convention (used by the trainer, the algorithm code and the tests):
 every per-token tensor is aligned to the *token position* t of the packed sequence.
@@ -92,7 +95,7 @@ class TrainBatch:
         return int(self.action_mask.sum())
 
     def rows(self, index: torch.Tensor | slice) -> dict[str, torch.Tensor]:
-        """The per-row tensors ([B, T] and [B]) restricted to `index` (a micro-batch)."""
+        """The per-row tensors ([B, T] and [B]) restricted to `index` (a row selection)."""
         names = (
             "token_ids",
             "position_ids",
@@ -106,15 +109,6 @@ class TrainBatch:
         if self.routed_experts is not None:
             names += ("routed_experts", "routing_mask")
         return {n: getattr(self, n)[index] for n in names}
-
-    def micro_batches(self, micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
-        """Split rows into consecutive micro-batches of at most `micro_batch_size` rows."""
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size={micro_batch_size}: must be >= 1")
-        return [
-            self.rows(slice(i, i + micro_batch_size))
-            for i in range(0, self.num_rows, micro_batch_size)
-        ]
 
 
 def _sequences(traj: Trajectory) -> list[TokenSequence]:

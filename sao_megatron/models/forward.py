@@ -91,10 +91,38 @@ def _pad_to_multiple(batch: ModelInputs, multiple: int) -> tuple[ModelInputs, in
     )
 
 
+def split_micro_batches(
+    batch: ModelInputs | Sequence[ModelInputs], micro_batch_size: int | None
+) -> list[ModelInputs]:
+    """`batch` as micro-batches: a `ModelInputs` is cut into consecutive slices of
+    `micro_batch_size` rows (default: the whole batch), which must divide B; a sequence of
+    `ModelInputs` is taken as the micro-batches themselves (already laid out, e.g. by
+    `sao_megatron.data.micro_batches`), all of one shape, `micro_batch_size` None or their rows.
+
+    Raises ValueError when the rows do not divide or the micro-batches differ in shape.
+    """
+    if isinstance(batch, ModelInputs):
+        bsz = batch.input_ids.shape[0]
+        mbs = micro_batch_size or bsz
+        if bsz % mbs:
+            raise ValueError(f"batch size {bsz} is not divisible by micro_batch_size={mbs}")
+        return [batch.slice(i, i + mbs) for i in range(0, bsz, mbs)]
+    micro_batches = list(batch)
+    shapes = {tuple(mb.input_ids.shape) for mb in micro_batches}
+    if len(shapes) != 1:
+        raise ValueError(f"micro-batches must share one [b, T] shape, got {sorted(shapes)}")
+    (shape,) = shapes
+    if micro_batch_size not in (None, shape[0]):
+        raise ValueError(
+            f"micro_batch_size={micro_batch_size} does not match the micro-batches' {shape[0]} rows"
+        )
+    return micro_batches
+
+
 def forward_backward(
     model: Sequence[torch.nn.Module],
     parallel: ParallelState,
-    batch: ModelInputs,
+    batch: ModelInputs | Sequence[ModelInputs],
     *,
     kind: str,
     loss_fn: LossFn | None = None,
@@ -104,7 +132,8 @@ def forward_backward(
     top_p: float = 1.0,
     top_k: int = 0,
 ) -> list[dict[str, torch.Tensor]]:
-    """Forward (and backward unless ``forward_only``) over ``batch`` in micro-batches.
+    """Forward (and backward unless ``forward_only``) over ``batch`` in micro-batches
+    (`split_micro_batches`: a `ModelInputs`, or its micro-batches).
 
     Gradient convention ("global sum"): the accumulated gradient is that of the SUM of the
     ``loss_fn`` values over all micro-batches and all data-parallel ranks (Megatron's division
@@ -116,7 +145,8 @@ def forward_backward(
             Megatron DDP by ``build_optimizer``).
         kind: ``"policy"`` or ``"value"``.
         loss_fn: see ``LossFn``; None = outputs only (then ``forward_only`` must be True).
-        micro_batch_size: rows per micro-batch (default: the whole batch); must divide B.
+        micro_batch_size: rows per micro-batch (default: the whole batch, or the given
+            micro-batches'); must divide B.
         temperature, top_p, top_k: the engine's sampling settings for policy log-probs and
             entropies (see ``token_logprobs_and_entropy``; top_p=1, top_k=0: off).
 
@@ -137,13 +167,10 @@ def forward_backward(
         raise ValueError(f"kind={kind!r}: must be 'policy' or 'value'")
     if loss_fn is None and not forward_only:
         raise ValueError("loss_fn is required unless forward_only=True")
-    bsz = batch.input_ids.shape[0]
-    mbs = micro_batch_size or bsz
-    if bsz % mbs:
-        raise ValueError(f"batch size {bsz} is not divisible by micro_batch_size={mbs}")
-    num_mb = bsz // mbs
+    unpadded = split_micro_batches(batch, micro_batch_size)
+    num_mb, (mbs, seq_len) = len(unpadded), tuple(unpadded[0].input_ids.shape)
     if parallel.platform.use_te:
-        am = batch.attention_mask.bool()
+        am = torch.cat([mb.attention_mask for mb in unpadded]).bool()
         later_token = am.flip(-1).cummax(-1).values.flip(-1)  # a real token at or after t
         if bool((later_token & ~am).any()):
             raise ValueError(
@@ -152,9 +179,8 @@ def forward_backward(
                 "Right-pad the batch."
             )
     tp = parallel.cfg.tp if parallel.cfg.sequence_parallel else 1
-    padded, seq_len = _pad_to_multiple(batch, tp)
+    micro_batches = [_pad_to_multiple(mb, tp)[0] for mb in unpadded]
     device = parallel.platform.device
-    micro_batches = [padded.slice(i * mbs, (i + 1) * mbs) for i in range(num_mb)]
     scale = float(num_mb * parallel.dp)
 
     def loss_func(mb: ModelInputs, output: torch.Tensor):
@@ -206,7 +232,7 @@ def forward_backward(
             data_iterator=iterators if num_chunks > 1 else iterators[0],
             model=list(model),
             num_microbatches=num_mb,
-            seq_length=padded.input_ids.shape[1],
+            seq_length=micro_batches[0].input_ids.shape[1],
             micro_batch_size=mbs,
             forward_only=forward_only,
         )
@@ -234,14 +260,15 @@ def _gather_outputs(
 def compute_policy_logprobs(
     model: Sequence[torch.nn.Module],
     parallel: ParallelState,
-    batch: ModelInputs,
+    batch: ModelInputs | Sequence[ModelInputs],
     temperature: float = 1.0,
     micro_batch_size: int | None = None,
     broadcast: bool = True,
     top_p: float = 1.0,
     top_k: int = 0,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Log-probs and entropy of each next token, no gradient.
+    """Log-probs and entropy of each next token, no gradient (`batch`: a `ModelInputs` or
+    its micro-batches, as for `forward_backward`; B rows in all).
 
     ``logprobs[b, t] = log pi(input_ids[b, t+1] | input_ids[b, :t+1])`` (temperature, top-k and
     top-p applied as in vLLM). Positions whose target is padding hold garbage; mask them.
@@ -261,7 +288,7 @@ def compute_policy_logprobs(
         top_p=top_p,
         top_k=top_k,
     )
-    b, t = batch.input_ids.shape
+    b, t = _rows_and_length(batch)
     return (
         _gather_outputs(records, "logprobs", parallel, (b, t - 1), broadcast),
         _gather_outputs(records, "entropy", parallel, (b, t - 1), broadcast),
@@ -271,11 +298,12 @@ def compute_policy_logprobs(
 def compute_values(
     model: Sequence[torch.nn.Module],
     parallel: ParallelState,
-    batch: ModelInputs,
+    batch: ModelInputs | Sequence[ModelInputs],
     micro_batch_size: int | None = None,
     broadcast: bool = True,
 ) -> torch.Tensor | None:
-    """Values ``V[b, t]`` (state after reading tokens ``0..t``), no gradient.
+    """Values ``V[b, t]`` (state after reading tokens ``0..t``), no gradient (`batch`: a
+    `ModelInputs` or its micro-batches, as for `forward_backward`; B rows in all).
 
     Returns:
         values [B, T] float32; on non-last pipeline stages None unless ``broadcast``.
@@ -288,4 +316,11 @@ def compute_values(
         micro_batch_size=micro_batch_size,
         forward_only=True,
     )
-    return _gather_outputs(records, "values", parallel, tuple(batch.input_ids.shape), broadcast)
+    return _gather_outputs(records, "values", parallel, _rows_and_length(batch), broadcast)
+
+
+def _rows_and_length(batch: ModelInputs | Sequence[ModelInputs]) -> tuple[int, int]:
+    """(B, T) of a batch or of its micro-batches together."""
+    if isinstance(batch, ModelInputs):
+        return tuple(batch.input_ids.shape)
+    return sum(mb.input_ids.shape[0] for mb in batch), batch[0].input_ids.shape[1]

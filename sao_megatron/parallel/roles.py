@@ -12,7 +12,7 @@ and scaling (``dp``, ``dp_cp``, ``intra_dp_cp``, ``expt_dp``, ``intra_expt_dp`` 
 ``ProcessGroupCollection.setup_process_groups_for_ddp``), the optimiser and distributed optimiser
 (``dp_cp``, ``intra_dp_cp``, ``intra_expt_dp``, ``intra_dist_opt`` through
 ``setup_process_groups_for_optimizer``; gradient clipping reduces over ``mp`` /
-``expt_tp_pp``, one rank here), and our own code (`StepContext.dp_sum`, `shard_batch`: ``dp``;
+``expt_tp_pp``, one rank here), and our own code (`StepContext.dp_sum`: ``dp``;
 `StepContext.world_sum`, the routing-replay counts: ``ParallelState.model_group``, set to the
 role's ranks).
 Megatron's global ``parallel_state`` data-parallel group (the whole world) is read only where
@@ -21,7 +21,7 @@ the schedule's ``finalize_model_grads`` all-reduces a token count, which it does
 
 Layout: ranks [0, P) are the policy, [P, 2P) the value model, P = world_size / 2; policy DP
 rank i pairs with value DP rank i (global rank P + i), which trains on the same trajectories
-(`shard_batch` deals them by DP rank and size, equal in both roles) and sends it their
+(`layout_micro_batches` deals them by DP rank and size, equal in both roles) and sends it their
 advantages. Rejected with a ValueError: an odd world, tp/pp/ep/expert_tp/virtual_pp other than
 1 (their groups would have to be split by role too; not built or tested).
 """

@@ -7,7 +7,7 @@ enforce at start-up (`sao_megatron.parallel.config.ParallelConfig.data_parallel_
 `sao_megatron.models.transformer_config.check_model_parallel_compat`,
 `sao_megatron.parallel.roles.check_separate_layout`,
 `sao_megatron.trainer.critic_placement.check_separate_job`, the DP sharding of
-`sao_megatron.trainer.step_batch.shard_batch`), and the rollout engines' placement.
+`sao_megatron.data.micro_batches.layout_micro_batches`), and the rollout engines' placement.
 """
 
 from __future__ import annotations

@@ -15,11 +15,12 @@ max(value phases, policy update) + the exchange instead of their sum (docs/TRAIN
 "Critic placement").
 
 The exchange (`PeerChannel`): value DP rank i sends to policy DP rank i (they hold the same
-trajectories: `shard_batch` deals by DP rank and size, equal in both roles) one message per
-step, point to point on the default process group (gloo on CPU, NCCL on GPU): the per-token
-advantages [R, T] float32 of the local padded batch and the value side's metrics (``value/*``,
-``loss/value``, ``grad_norm/value``, ``lr/value``, ``time/value``, ``time/advantages``), so the
-policy ranks return the same metric keys and values as a colocated step. The send is
+trajectories: `layout_micro_batches` deals by DP rank and size, equal in both roles) one message
+per step, point to point on the default process group (gloo on CPU, NCCL on GPU): the per-token
+advantages [R, T-1] float32 of the local padded batch (prediction positions) and the value
+side's metrics (``value/*``, ``loss/value``, ``grad_norm/value``, ``lr/value``, ``time/value``,
+``time/advantages``), so the policy ranks return the same metric keys and values as a colocated
+step. The send is
 non-blocking: the value ranks go on to the next batch at once and wait for a send only when the
 one after it is posted (at most two messages in flight).
 
@@ -208,10 +209,10 @@ class SeparateCriticStep:
         t0 = time.perf_counter()
         msg = self._receive("train", index)
         self.wait_s = time.perf_counter() - t0
-        if msg["advantages"].shape != state.batch.token_ids.shape:
+        if tuple(msg["advantages"].shape) != state.batch.prediction_shape:
             raise RuntimeError(
                 f"advantages {tuple(msg['advantages'].shape)} from rank {self.roles.peer} do not "
-                f"fit this rank's batch {tuple(state.batch.token_ids.shape)}: the roles got "
+                f"fit this rank's batch {state.batch.prediction_shape}: the roles got "
                 "different batches"
             )
         state.advantages = msg["advantages"]

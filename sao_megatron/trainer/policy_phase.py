@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 
 from sao_megatron.algorithm.base import Algorithm
+from sao_megatron.data.micro_batches import at_predictions
 from sao_megatron.models.forward import compute_policy_logprobs
 from sao_megatron.models.routing_replay import RoutingReplay
 from sao_megatron.optim.builder import TrainState
-from sao_megatron.trainer.step_batch import model_inputs, pred
 from sao_megatron.trainer.step_context import StepContext
 from sao_megatron.trainer.step_state import StepState
 
@@ -35,7 +35,7 @@ class PolicyPhases:
     """The policy-model phases of a train step.
 
     Args:
-        ctx: the step's execution context (DP sums, micro-batch size).
+        ctx: the step's execution context (DP sums, the update pass).
         algorithm: the algorithm object (its policy loss and ``config.entropy_coef``).
         policy: policy `TrainState` (DDP model, optimiser, LR scheduler).
         routing_replay: replay the recorded routing in the policy forwards.
@@ -59,17 +59,16 @@ class PolicyPhases:
     # ---------------------------------------------------------------------- phases
     def old_logprobs(self, state: StepState) -> None:
         """OLD_LOGPROBS: l_old of the policy before this update (forward, no grad)."""
-        b = state.batch
-        replay = self.routing_replay and b.has_routing
+        rank, sampling = state.batch, state.batch.trajectories
+        replay = self.routing_replay and sampling.has_routing
         with self._routed(state, replay=True) if replay else contextlib.nullcontext():
             old, _ = compute_policy_logprobs(
                 self.policy.model,
                 self.ctx.parallel,
-                model_inputs(b, {}),
-                b.temperature,
-                self.ctx.micro_batch_size,
-                top_p=b.top_p,
-                top_k=b.top_k,
+                rank.model_inputs(),
+                sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
             )
         if replay:
             self._routing.take_counts()  # measured on the update's forward only
@@ -77,7 +76,7 @@ class PolicyPhases:
 
     def update(self, state: StepState) -> None:
         """POLICY_UPDATE: one optimiser step of the algorithm's policy loss (+ entropy bonus)."""
-        algorithm, b = self.algorithm, state.batch
+        algorithm, rank, sampling = self.algorithm, state.batch, state.batch.trajectories
         n_tokens, n_seqs = state.num_tokens, state.num_sequences
         entropy_coef = algorithm.config.entropy_coef
 
@@ -98,10 +97,9 @@ class PolicyPhases:
                 loss = loss - entropy_coef * ent
             return loss, {}
 
+        # the micro-batches carry behaviour_logprobs and action_mask; the step adds its own
         extras = {
-            "behaviour_logprobs": pred(b.behaviour_logprobs),
-            "advantages": torch.where(state.stale, 0.0, pred(state.advantages)),
-            "action_mask": pred(b.action_mask),
+            "advantages": torch.where(state.stale, 0.0, state.advantages),
             "stale": state.stale,
         }
         if state.old_logprobs is not None:
@@ -109,18 +107,18 @@ class PolicyPhases:
         with self._routed(state, replay=self.routing_replay):
             recs = self.ctx.forward_backward(
                 self.policy,
-                b,
+                rank,
                 extras,
                 kind="policy",
                 loss_fn=loss_fn,
-                temperature=b.temperature,
-                top_p=b.top_p,
-                top_k=b.top_k,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
             )
-        if b.has_routing:
+        if sampling.has_routing:
             self._routing_metrics(state)
         skip = algorithm.config.skip_zero_advantage_updates and not self._has_signal(
-            extras, entropy_coef
+            rank.rows.action_mask, extras, entropy_coef
         )
         # a skipped step: the gradient is exactly 0 (norm 0), nothing applied, schedule unchanged
         ok, grad_norm = (False, 0.0) if skip else self.policy.step()
@@ -130,12 +128,15 @@ class PolicyPhases:
             state.entropy = torch.cat([r["entropy"] for r in recs]).cpu()
         state.metrics |= self.ctx.update_metrics("policy", self.policy, recs, ok, grad_norm)
 
-    def _has_signal(self, extras: dict[str, torch.Tensor], entropy_coef: float) -> bool:
+    def _has_signal(
+        self, action_mask: torch.Tensor, extras: dict[str, torch.Tensor], entropy_coef: float
+    ) -> bool:
         """Whether the policy loss can have a non-zero gradient on any rank of this model:
         some fresh action token with a non-zero advantage, or the entropy bonus on some fresh
-        action token. One float64 all-reduce over the model's ranks (every rank decides alike).
+        action token (action_mask and extras [R, T-1]). One float64 all-reduce over the
+        model's ranks (every rank decides alike).
         """
-        fresh = extras["action_mask"] & ~extras["stale"]
+        fresh = action_mask & ~extras["stale"]
         local = (fresh & (extras["advantages"] != 0)).sum() if not entropy_coef else fresh.sum()
         return self.ctx.world_sum(float(local))[0] > 0
 
@@ -158,30 +159,30 @@ class PolicyPhases:
     def _routed(self, state: StepState, replay: bool):
         """Context for a policy forward over the local batch: replays or compares the recorded
         routing when the batch carries it, else nothing."""
-        b = state.batch
-        if not b.has_routing:
+        rank = state.batch
+        if rank.rows.routed_experts is None:
             return contextlib.nullcontext()
         return self._routing_hooks().session(
-            b.token_ids,
-            b.routed_experts,
-            b.routing_mask,
-            micro_batch_size=self.ctx.micro_batch_size,
+            rank.rows.token_ids,
+            rank.rows.routed_experts,
+            rank.rows.routing_mask,
+            micro_batch_size=rank.micro_batch_size,
             replay=replay,
         )
 
     def _routing_metrics(self, state: StepState) -> None:
-        """After the policy update's forward: global mismatch fraction and the per-token map
-        of prediction positions whose routing differed (for the deviation split)."""
+        """After the policy update's forward: global mismatch fraction and the map [R, T-1]
+        of the tokens whose routing differed (for the deviation split)."""
         p, rr, ctx = self.ctx.parallel, self._routing, self.ctx
         mismatched, compared = ctx.world_sum(*rr.take_counts())
         differs = rr.last_differs.to(torch.int32)
         for size, group in ((p.cfg.tp, p.pg_collection.tp), (p.cfg.pp, p.pg_collection.pp)):
             if size > 1:
                 dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=group)
-        state.routing_differs = pred(differs.bool())
-        b = state.batch
-        n_real = ctx.dp_sum(int(b.loss_mask.sum()))
-        n_rec = ctx.dp_sum(int(b.routing_mask.sum()))
+        state.routing_differs = at_predictions(differs.bool())  # the session's map: tokens
+        rows = state.batch.rows
+        n_real = ctx.dp_sum(int(rows.attention_mask.sum()))
+        n_rec = ctx.dp_sum(int(rows.routing_mask.sum()))
         state.metrics |= {
             "deviation/routing_mismatch_frac": mismatched / compared
             if compared > 0

@@ -9,7 +9,8 @@ SAO:      VALUE_TARGETS -> VALUE_UPDATE x K -> ADVANTAGES (updated critic) -> PO
 GRPO:     OLD_LOGPROBS -> ADVANTAGES (group statistics) -> POLICY_UPDATE (PPO-clip)
 GRPO+DIS: ADVANTAGES (group statistics) -> POLICY_UPDATE (DIS on the behaviour log-probs)
 
-* `step_batch`: this DP rank's share of the global batch, padded; position conventions;
+* `sao_megatron.data.micro_batches`: this DP rank's share of the global batch, padded, shifted
+  to prediction positions and cut into micro-batches, once (`layout_micro_batches`);
 * `step_state`: `StepState`, what the phases hand each other;
 * `step_context`: DP sums and the update pass both models share;
 * `step_advantages`: the algorithm's advantage math on the local batch;
@@ -32,13 +33,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
+
 from sao_megatron.algorithm.base import Algorithm, Phase
 from sao_megatron.data.batch import TrainBatch
+from sao_megatron.data.micro_batches import layout_micro_batches
 from sao_megatron.optim.builder import TrainState
 from sao_megatron.parallel.state import ParallelState
+from sao_megatron.rollout.staleness import stale_token_mask
 from sao_megatron.trainer.policy_phase import PolicyPhases
 from sao_megatron.trainer.step_advantages import StepAdvantages
-from sao_megatron.trainer.step_batch import pred, shard_batch, stale_tokens
 from sao_megatron.trainer.step_context import StepContext
 from sao_megatron.trainer.step_metrics import batch_metrics, policy_metrics
 from sao_megatron.trainer.step_state import StepState
@@ -126,7 +130,7 @@ class RLStep:
             raise ValueError("RLStep needs the policy (policy=None only with separate_critic)")
         self.algorithm, self.config = algorithm, algorithm.config
         self.parallel, self.policy, self.value, self.cfg = parallel, policy, value, step_cfg
-        self._ctx = StepContext(parallel, step_cfg.micro_batch_size)
+        self._ctx = StepContext(parallel)
         self._advantages = StepAdvantages(algorithm, self._ctx.batch_reducer)
         self._phases = {}
         if policy is not None:
@@ -216,7 +220,8 @@ class RLStep:
     def start(
         self, batch: TrainBatch, train_version: int, max_staleness: int | None = None
     ) -> StepState:
-        """This DP rank's share of `batch` and the global loss denominators.
+        """This DP rank's share of `batch` (`layout_micro_batches`), the global loss
+        denominators and the action tokens beyond the staleness bound.
 
         `max_staleness`: a tighter per-token bound for this batch than ``StepConfig``'s (the
         deviation controller's, ``rollout.deviation_bound_trained``); None: the configured one.
@@ -224,20 +229,24 @@ class RLStep:
         bound = self.cfg.max_staleness
         if max_staleness is not None:
             bound = max_staleness if bound is None else min(bound, max_staleness)
-        ctx = self._ctx
-        b, n_real = shard_batch(
+        ctx, p = self._ctx, self.parallel
+        rank = layout_micro_batches(
             batch,
-            self.parallel,
-            by_group=self.algorithm.keeps_groups_together,
+            dp_rank=p.dp_rank,
+            dp_size=p.dp,
             micro_batch_size=self.cfg.micro_batch_size,
+            by_group=self.algorithm.keeps_groups_together,
         )
+        action, versions = rank.rows.action_mask, rank.rows.policy_versions
+        stale = torch.zeros(action.shape, dtype=torch.bool)
+        if bound is not None:
+            stale = stale_token_mask(versions, train_version, bound)
         state = StepState(
-            batch=b,
-            num_real_rows=n_real,
+            batch=rank,
             train_version=train_version,
-            num_tokens=ctx.dp_sum(int(pred(b.action_mask).sum())),
-            num_sequences=ctx.dp_sum(int((b.action_mask.sum(1) > 0).sum())),
-            stale=stale_tokens(b, train_version, bound),
+            num_tokens=ctx.dp_sum(int(action.sum())),
+            num_sequences=ctx.dp_sum(int((action.sum(1) > 0).sum())),
+            stale=stale,
         )
         state.metrics |= batch_metrics(state, ctx)
         return state

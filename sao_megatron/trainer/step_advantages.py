@@ -1,10 +1,11 @@
-"""The algorithm's advantage math on a step's local batch: action streams in, token positions out.
+"""The algorithm's advantage math on a step's local batch: action streams in, predictions out.
 
 The algorithm (`sao_megatron.algorithm.base.Algorithm`) computes on one action stream per
 trajectory (`AdvantageInputs`), so its result does not depend on how the trajectories were packed
-into rows; `StepAdvantages` builds those inputs from the real rows of the padded local batch and
-puts the outputs back on its rows ([R, T], 0 on padding rows and off the action tokens). Batch
-statistics (whitening) reduce over the other DP ranks' shares with the `BatchReducer` given.
+into rows; `StepAdvantages` builds those inputs from the rank's trajectories and puts the outputs
+back on its padded rows at prediction positions (`RankBatch.from_streams`: [R, T-1], 0 on padding
+rows and off the action tokens). Batch statistics (whitening) reduce over the other DP ranks'
+shares with the `BatchReducer` given.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import torch
 
 from sao_megatron.algorithm.advantages import LOCAL_BATCH, BatchReducer
 from sao_megatron.algorithm.base import AdvantageInputs, Algorithm
-from sao_megatron.data.batch import TrainBatch, gather_to_streams
-from sao_megatron.trainer.step_batch import last_state_values, real_rows, to_padded
+from sao_megatron.data.batch import gather_to_streams
+from sao_megatron.data.micro_batches import RankBatch
 from sao_megatron.trainer.step_state import StepState
 
 
@@ -31,8 +32,9 @@ class StepAdvantages:
     def __init__(self, algorithm: Algorithm, reducer: BatchReducer = LOCAL_BATCH) -> None:
         self.algorithm, self.reducer = algorithm, reducer
 
-    def inputs(self, real: TrainBatch) -> AdvantageInputs:
-        """`AdvantageInputs` of the real rows (one action stream per trajectory), no values."""
+    def inputs(self, rank: RankBatch) -> AdvantageInputs:
+        """`AdvantageInputs` of the rank's trajectories (one action stream each), no values."""
+        real = rank.trajectories
         node_idx, valid = gather_to_streams(real, real.node_index)
         groups = {tid: i for i, tid in enumerate(dict.fromkeys(real.task_ids))}
         return AdvantageInputs(
@@ -47,39 +49,41 @@ class StepAdvantages:
     def compute(
         self, state: StepState, values: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """`Algorithm.advantages` on the local batch: (advantages [R, T] float32, returns [R, T]
-        float32 or None, value mask [R, T] bool or None) at token positions.
+        """`Algorithm.advantages` on the local batch: (advantages [R, T-1] float32, returns
+        [R, T-1] float32 or None, value mask [R, T-1] bool or None) at prediction positions.
 
-        values: (at_tokens, raw) [R, T] of the critic (`ValuePhases.values`), or None; they give
-        V(s_t) on the action tokens and the bootstrap V_last of truncated trajectories.
+        values: (before, after) [R, T-1] of the critic (`ValuePhases.values`), or None; they
+        give V(s_t) on the action tokens and the bootstrap V_last of truncated trajectories.
         """
-        b, num_real_rows = state.batch, state.num_real_rows
-        real = real_rows(b, num_real_rows)
-        inputs = self.inputs(real)
+        rank = state.batch
+        inputs = self.inputs(rank)
         if values is not None:
-            at_tokens, raw = values
-            inputs.values, _ = gather_to_streams(real, at_tokens[:num_real_rows])
-            inputs.bootstrap_values = last_state_values(real, raw)
+            before, after = values
+            inputs.values, _ = rank.to_streams(before)
+            last, found = rank.last_actions()
+            inputs.bootstrap_values = torch.where(
+                found, after[last[:, 0], last[:, 1]].to(torch.float32), 0.0
+            )
         out = self.algorithm.advantages(inputs)
-        adv = to_padded(b, real, out.advantages.float())
-        ret = to_padded(b, real, out.returns.float()) if out.returns is not None else None
+        adv = rank.from_streams(out.advantages.float())
+        ret = rank.from_streams(out.returns.float()) if out.returns is not None else None
         vmask = None
         if out.value_mask is not None:
-            vmask = to_padded(b, real, out.value_mask.float()).bool()
+            vmask = rank.from_streams(out.value_mask.float()).bool()
         return adv, ret, vmask
 
     def value_targets(
         self, state: StepState
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """`Algorithm.value_targets` on the local batch, R = base + coef * V_last: (base [R, T]
-        float64, coef [R, T] float64, value mask [R, T] bool) at token positions, or None when the
-        targets need the critic's values (then `compute` with values gives them)."""
-        b = state.batch
-        real = real_rows(b, state.num_real_rows)
-        targets = self.algorithm.value_targets(self.inputs(real))
+        """`Algorithm.value_targets` on the local batch, R = base + coef * V_last: (base
+        [R, T-1] float64, coef [R, T-1] float64, value mask [R, T-1] bool) at prediction
+        positions, or None when the targets need the critic's values (then `compute` with
+        values gives them)."""
+        rank = state.batch
+        targets = self.algorithm.value_targets(self.inputs(rank))
         if targets is None:
             return None
-        base = to_padded(b, real, targets.base)
-        coef = to_padded(b, real, targets.bootstrap_coef)
-        vmask = to_padded(b, real, targets.value_mask.to(torch.float64)).bool()
+        base = rank.from_streams(targets.base)
+        coef = rank.from_streams(targets.bootstrap_coef)
+        vmask = rank.from_streams(targets.value_mask.to(torch.float64)).bool()
         return base, coef, vmask

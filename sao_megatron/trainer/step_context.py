@@ -12,11 +12,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from sao_megatron.data.batch import TrainBatch
+from sao_megatron.data.micro_batches import RankBatch
 from sao_megatron.models.forward import LossFn, forward_backward
 from sao_megatron.optim.builder import TrainState
 from sao_megatron.parallel.state import ParallelState
-from sao_megatron.trainer.step_batch import model_inputs
 
 
 def _all_reduce_sum(x: torch.Tensor, group, device: torch.device) -> torch.Tensor:
@@ -42,7 +41,7 @@ class DataParallelSum:
     this rank's data-parallel group, the identity at DP = 1.
 
     The DP group is exactly the set of ranks holding the other trajectories of the batch:
-    `step_batch.shard_batch` deals trajectories by DP rank, and the tensor- and pipeline-parallel
+    `layout_micro_batches` deals trajectories by DP rank, and the tensor- and pipeline-parallel
     peers of a DP rank train on the same ones (expert parallelism splits experts across DP ranks,
     not data; with a separate critic, the role's own DP group, `sao_megatron.parallel.roles`).
     """
@@ -60,19 +59,18 @@ class DataParallelSum:
 
 
 class StepContext:
-    """This rank's parallel state and micro-batch size, and the operations built on them.
+    """This rank's parallel state and the operations built on it.
 
     Args:
         parallel: this rank's parallel state (its DP group sums the step's counts).
-        micro_batch_size: rows per micro-batch of every forward/backward (rl.micro_batch_size).
 
     Attributes:
         batch_reducer: `DataParallelSum`, the sums over the DP group that `dp_sum` and the
             algorithm's batch statistics (`AdvantageInputs.reducer`) use.
     """
 
-    def __init__(self, parallel: ParallelState, micro_batch_size: int) -> None:
-        self.parallel, self.micro_batch_size = parallel, micro_batch_size
+    def __init__(self, parallel: ParallelState) -> None:
+        self.parallel = parallel
         self.batch_reducer = DataParallelSum(parallel)
 
     def dp_sum(self, x: float) -> float:
@@ -94,24 +92,24 @@ class StepContext:
     def forward_backward(
         self,
         train: TrainState,
-        b: TrainBatch,
+        rank: RankBatch,
         extras: dict[str, torch.Tensor],
         *,
         kind: str,
         loss_fn: LossFn,
         **sampling,
     ) -> list[dict[str, torch.Tensor]]:
-        """Zero `train`'s gradients, then forward and backward `loss_fn` over the rows of `b` in
-        micro-batches (`sao_megatron.models.forward.forward_backward`; `extras`: the loss's
-        per-token inputs [R, T-1]; `sampling`: temperature, top_p, top_k of a policy)."""
+        """Zero `train`'s gradients, then forward and backward `loss_fn` over the micro-batches
+        of `rank` (`sao_megatron.models.forward.forward_backward`). Each micro-batch's loss
+        reads its loss inputs and its rows of `extras` (the step's per-token inputs [R, T-1]:
+        `MicroBatch.model_inputs`); `sampling`: temperature, top_p, top_k of a policy."""
         train.zero_grad()
         return forward_backward(
             train.model,
             self.parallel,
-            model_inputs(b, extras),
+            rank.model_inputs(extras),
             kind=kind,
             loss_fn=loss_fn,
-            micro_batch_size=self.micro_batch_size,
             **sampling,
         )
 

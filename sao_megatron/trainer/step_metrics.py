@@ -17,7 +17,6 @@ from sao_megatron.algorithm.config import ImportanceConfig
 from sao_megatron.algorithm.deviation_causes import deviation_cause_sums, finish_deviation_causes
 from sao_megatron.algorithm.metrics import off_policy_metrics
 from sao_megatron.rollout.staleness import in_bound_by_length, in_bound_by_length_sums
-from sao_megatron.trainer.step_batch import pred
 from sao_megatron.trainer.step_context import StepContext
 from sao_megatron.trainer.step_state import StepState
 
@@ -32,9 +31,9 @@ def batch_metrics(state: StepState, ctx: StepContext) -> dict[str, float]:
     """The global batch's action tokens and rows with action tokens, the fraction of its
     action tokens beyond the staleness bound (`StepState.stale`), and per episode-length
     bucket the fraction within it and the number of episodes (``rollout/staleness/*``)."""
-    b, n_tokens = state.batch, state.num_tokens
-    action = pred(b.action_mask)
-    sums = in_bound_by_length_sums(state.stale, action, b.row_trajectory, b.num_nodes)
+    rows, n_tokens = state.batch.rows, state.num_tokens
+    action, num_nodes = rows.action_mask, state.batch.trajectories.num_nodes
+    sums = in_bound_by_length_sums(state.stale, action, rows.row_trajectory, num_nodes)
     sums = ctx.dp_sum_dict({"stale": int((state.stale & action).sum())} | sums)  # one all-reduce
     return {
         "batch/num_action_tokens": n_tokens,
@@ -49,9 +48,9 @@ def policy_metrics(
     """After POLICY_UPDATE: the deviation between trainer and behaviour policy (``deviation/*``,
     DIS band from `importance`), and the policy's mean entropy and advantage over this rank's
     trained tokens (``policy/entropy``, ``policy/advantage_mean``)."""
-    b = state.batch
-    mask = pred(b.action_mask) & ~state.stale  # the tokens the policy loss trained on
-    behaviour, versions = pred(b.behaviour_logprobs), pred(b.policy_versions)
+    rows = state.batch.rows  # prediction positions, as the step's tensors
+    mask = rows.action_mask & ~state.stale  # the tokens the policy loss trained on
+    behaviour, versions = rows.behaviour_logprobs, rows.policy_versions
     dev = off_policy_metrics(
         state.logprobs,
         behaviour,
@@ -73,7 +72,5 @@ def policy_metrics(
     out |= {f"deviation/{k}": v for k, v in causes.items()}
     n_local = max(int(mask.sum()), 1)
     out["policy/entropy"] = float(torch.where(mask, state.entropy, 0.0).sum() / n_local)
-    out["policy/advantage_mean"] = float(
-        torch.where(mask, pred(state.advantages), 0.0).sum() / n_local
-    )
+    out["policy/advantage_mean"] = float(torch.where(mask, state.advantages, 0.0).sum() / n_local)
     return out

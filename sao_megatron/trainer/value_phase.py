@@ -23,17 +23,10 @@ import torch.distributed as dist
 from sao_megatron.algorithm.config import AlgorithmConfig
 from sao_megatron.algorithm.losses import value_loss
 from sao_megatron.algorithm.metrics import explained_variance
-from sao_megatron.data.batch import TrainBatch
+from sao_megatron.data.micro_batches import RankBatch, values_at_predictions
 from sao_megatron.models.forward import compute_values
 from sao_megatron.optim.builder import TrainState
 from sao_megatron.trainer.step_advantages import StepAdvantages
-from sao_megatron.trainer.step_batch import (
-    last_action_tokens,
-    model_inputs,
-    pred,
-    real_rows,
-    values_at_tokens,
-)
 from sao_megatron.trainer.step_context import StepContext
 from sao_megatron.trainer.step_state import PendingTargets, StepState
 
@@ -42,7 +35,7 @@ class ValuePhases:
     """The value-model phases of a train step.
 
     Args:
-        ctx: the step's execution context (DP sums, micro-batch size).
+        ctx: the step's execution context (DP sums, the update pass).
         advantages: the algorithm's advantage math on the local batch (gives the targets).
         value: value-model `TrainState` (DDP model, optimiser, LR scheduler).
         config: the algorithm's config (``sao.value_clip``).
@@ -72,7 +65,7 @@ class ValuePhases:
             _, state.returns, state.value_mask = self.advantages.compute(state, state.values)
             self._explained_variance_before(state)
         state.pending_targets = pending
-        state.num_value_tokens = self.ctx.dp_sum(int(pred(state.value_mask).sum()))
+        state.num_value_tokens = self.ctx.dp_sum(int(state.value_mask.sum()))
 
     def update(self, state: StepState) -> None:
         """VALUE_UPDATE: one optimiser step of the clipped value loss on V_old / returns.
@@ -81,33 +74,33 @@ class ValuePhases:
         own forward's V (detached), so V - V_old = 0, the clip branch of the loss equals the
         unclipped one (value and gradient, bit for bit), and the returns take V_last from the
         same forward; afterwards V_old and the returns are kept for the next updates."""
-        clip, n_value, b = self.config.sao.value_clip, state.num_value_tokens, state.batch
+        clip, n_value, rank = self.config.sao.value_clip, state.num_value_tokens, state.batch
         pending = state.pending_targets
 
         def loss_fn(outputs, mb):
-            v = outputs["values"][:, :-1]  # prediction p scores the state before token p+1
+            v, after = values_at_predictions(outputs["values"])
             e = mb.extras
             if pending is None:
                 old, ret = e["old_values"], e["returns"]
             else:
                 start = int(e["row"][0])
                 old = v.detach()
-                ret = pending.returns(outputs["values"].cpu(), slice(start, start + len(v)))
-                ret = pred(ret).to(v.device)
+                ret = pending.returns(after.cpu(), slice(start, start + len(v))).to(v.device)
             loss = value_loss(
                 v, old, ret, e["value_mask"], clip=clip, mode="token_mean", num_tokens=n_value
             )
             return loss, {}
 
-        extras = {"value_mask": pred(state.value_mask)}
+        extras = {"value_mask": state.value_mask}
         if pending is None:
-            extras |= {"old_values": pred(state.values[0]), "returns": pred(state.returns)}
+            extras |= {"old_values": state.values[0], "returns": state.returns}
         else:
-            extras["row"] = torch.arange(b.num_rows)
-        recs = self.ctx.forward_backward(self.value, b, extras, kind="value", loss_fn=loss_fn)
+            extras["row"] = torch.arange(rank.num_rows)
+        recs = self.ctx.forward_backward(self.value, rank, extras, kind="value", loss_fn=loss_fn)
         ok, grad_norm = self.value.step()
         if pending is not None:
-            self._resolve_targets(state, self._pp_values(recs, tuple(b.token_ids.shape)))
+            raw = self._pp_values(recs, rank.token_shape)
+            self._resolve_targets(state, values_at_predictions(raw))
         m = self.ctx.update_metrics("value", self.value, recs, ok, grad_norm)
         # the standard names hold the last update's figures
         state.metrics |= m | {f"value/loss_{state.value_updates}": m["loss/value"]}
@@ -118,7 +111,7 @@ class ValuePhases:
         still pending when no update ran, K = 0, take V_last from these values)."""
         values = self.values(state.batch)
         if state.pending_targets is not None:
-            self._resolve_targets(state, values[1])
+            self._resolve_targets(state, values)
         returns, vmask = state.returns, state.value_mask
         state.metrics["value/explained_variance"] = explained_variance(values[0], returns, vmask)
         state.metrics["value/return_mean"] = float(returns[vmask].mean()) if vmask.any() else 0.0
@@ -156,18 +149,12 @@ class ValuePhases:
         }
 
     # ---------------------------------------------------------------------- values
-    def values(self, b: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Value-model outputs for the local batch, no gradient.
-
-        Returns (at_tokens, raw): raw[b, t] = V(state after reading tokens 0..t) [B, T];
-        at_tokens[b, t] = V(state before token t) = raw[b, t-1], column 0 = 0 [B, T].
+    def values(self, rank: RankBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Value-model outputs for the rank's micro-batches, no gradient: (before, after)
+        [R, T-1] float32 on CPU, V(state before / after token p+1) (`values_at_predictions`).
         """
-        ctx = self.ctx
-        raw = compute_values(
-            self.value.model, ctx.parallel, model_inputs(b, {}), ctx.micro_batch_size
-        )
-        raw = raw.float().cpu()
-        return values_at_tokens(raw), raw
+        raw = compute_values(self.value.model, self.ctx.parallel, rank.model_inputs())
+        return values_at_predictions(raw.float().cpu())
 
     def _pp_values(self, recs: list[dict], shape: tuple[int, int]) -> torch.Tensor:
         """The value records of a forward_backward, [R, T] float32 on CPU on every PP stage."""
@@ -189,25 +176,26 @@ class ValuePhases:
         if targets is None:
             return None
         base, coef, vmask = targets
-        b = state.batch
-        real = real_rows(b, state.num_real_rows)
-        boot_row = torch.arange(b.num_rows)
-        boot_pos = torch.zeros(b.num_rows, dtype=torch.long)
-        last, _ = last_action_tokens(real)  # [num_traj, 2]: row, position
+        rank = state.batch
+        boot_row = torch.arange(rank.num_rows)
+        boot_pos = torch.zeros(rank.num_rows, dtype=torch.long)
+        last, _ = rank.last_actions()  # [num_traj, 2]: row, prediction position
         bootstraps = coef.ne(0).any(1)
+        row_trajectory = rank.rows.row_trajectory
         for r in torch.nonzero(bootstraps).flatten().tolist():
-            boot_row[r], boot_pos[r] = last[int(real.row_trajectory[r])]
-        mbs = self.ctx.micro_batch_size
-        split = bool(((boot_row // mbs) != (torch.arange(b.num_rows) // mbs)).any())
+            boot_row[r], boot_pos[r] = last[int(row_trajectory[r])]
+        mbs = rank.micro_batch_size
+        split = bool(((boot_row // mbs) != (torch.arange(rank.num_rows) // mbs)).any())
         if self.ctx.dp_sum(float(split)) > 0:
             return None
         state.value_mask = vmask
         return PendingTargets(base=base, coef=coef, boot_row=boot_row, boot_pos=boot_pos)
 
-    def _resolve_targets(self, state: StepState, raw: torch.Tensor) -> None:
-        """V_old := raw values of the critic before its updates [R, T]; returns from them."""
-        state.values = (values_at_tokens(raw), raw)
-        state.returns = state.pending_targets.returns(raw)
+    def _resolve_targets(self, state: StepState, values: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """V_old := (before, after) [R, T-1] of the critic before its updates; returns from
+        them."""
+        state.values = values
+        state.returns = state.pending_targets.returns(values[1])
         state.pending_targets = None
         self._explained_variance_before(state)
 

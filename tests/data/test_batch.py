@@ -71,13 +71,6 @@ def test_pack_errors():
         pack_trajectories([bad], pad_token_id=0, max_seq_len=16)
 
 
-def test_micro_batches():
-    batch = pack_trajectories(_trajs(), pad_token_id=0, max_seq_len=16)
-    mbs = batch.micro_batches(3)
-    assert [mb["token_ids"].shape[0] for mb in mbs] == [3, 1]
-    assert sum(int(mb["action_mask"].sum()) for mb in mbs) == batch.num_action_tokens
-
-
 def test_pack_carries_top_p_and_top_k_and_rejects_mixed_ones():
     """Issue 19.2: the trainer must score at the engine's top_p/top_k, so the batch carries
     them like the temperature."""

@@ -10,6 +10,12 @@ import pytest
 import torch
 
 from sao_megatron.data.batch import pack_trajectories
+from sao_megatron.data.micro_batches import (
+    layout_micro_batches,
+    local_batch,
+    pad_rows,
+    shard_for_data_parallel,
+)
 from sao_megatron.data.trajectory import ActionNode, Trajectory
 from sao_megatron.rollout.routing import (
     RoutingRecorder,
@@ -18,7 +24,6 @@ from sao_megatron.rollout.routing import (
     encode_routing,
     routing_dtype,
 )
-from sao_megatron.trainer.step_batch import local_batch, pad_rows, shard_for_data_parallel
 
 L, K = 3, 2  # layers, top-k
 
@@ -154,9 +159,13 @@ def test_packing_sharding_padding_and_pickle_keep_rows_aligned():
         assert torch.equal(local.routing_mask, batch.routing_mask[rows])
         for r, g in enumerate(rows.tolist()):
             seen[g] = local.routed_experts[r]
-        # micro-batches carry them
-        for mb in local.micro_batches(1):
-            assert mb["routed_experts"].shape[0] == 1 and mb["routing_mask"].shape[0] == 1
+        # micro-batches carry them, at token positions
+        rank_batch = layout_micro_batches(
+            batch, dp_rank=rank, dp_size=2, micro_batch_size=1, by_group=False
+        )
+        for mb in rank_batch.micro_batches[: len(rows)]:
+            assert torch.equal(mb.routed_experts, local.routed_experts[mb.rows])
+            assert torch.equal(mb.routing_mask, local.routing_mask[mb.rows])
     assert sorted(seen) == [0, 1, 2, 3]
 
     # padding rows (the trainer's equal-row-count padding) carry no routing

@@ -9,6 +9,7 @@ import torch
 from sao_megatron.algorithm import registry
 from sao_megatron.algorithm.config import AlgorithmConfig, GRPOConfig
 from sao_megatron.data.batch import pack_trajectories
+from sao_megatron.data.micro_batches import shard_for_data_parallel
 from sao_megatron.data.trajectory import ActionNode, Trajectory
 from sao_megatron.models import (
     VALUE_DEFAULT_FREEZE_PATTERNS,
@@ -22,7 +23,6 @@ from sao_megatron.models import (
 from sao_megatron.optim.builder import build_optimizer
 from sao_megatron.optim.config import OptimizerConfig, PrecisionConfig
 from sao_megatron.trainer.rl_step import RLStep, StepConfig
-from sao_megatron.trainer.step_batch import shard_for_data_parallel
 
 
 def _random_trajectories(num, seed, group_size=1):

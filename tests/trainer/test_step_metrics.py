@@ -98,7 +98,7 @@ def _dp2_worker(rank: int, world_size: int, out_dir: str) -> None:
         assert parallel.dp == 2
         step = _grpo_step(MoEModelConfig(**tiny_moe_kwargs()), parallel, max_staleness=1)
         state = step.start(_batch(), train_version=6)  # each rank holds some of the groups
-        local = sorted(set(state.batch.task_ids))
+        local = sorted(set(state.batch.trajectories.task_ids))
         out = {"metrics": _staleness(state.metrics), "tasks": local}
         out["stale"] = state.metrics["deviation/stale_token_fraction"]
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(out))

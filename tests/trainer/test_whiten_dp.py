@@ -42,9 +42,9 @@ def run_step(algorithm: str, whiten: bool) -> dict:
     from sao_megatron.algorithm import registry
     from sao_megatron.algorithm.base import Phase
     from sao_megatron.algorithm.config import AlgorithmConfig, GRPOConfig
+    from sao_megatron.data.micro_batches import shard_for_data_parallel
     from sao_megatron.parallel import ParallelConfig, destroy_parallel, initialize_parallel
     from sao_megatron.trainer.rl_step import RLStep, StepConfig
-    from sao_megatron.trainer.step_batch import shard_for_data_parallel
 
     parallel = initialize_parallel(ParallelConfig())
     try:
@@ -71,7 +71,7 @@ def run_step(algorithm: str, whiten: bool) -> dict:
         )
         return {
             "num_rows": batch.num_rows,
-            "action_mask": batch.action_mask,
+            "action_mask": batch.action_mask[:, 1:],  # prediction positions, as advantages
             "rows": rows,
             "advantages": advantages,
             "policy": _params(p_state),
