@@ -30,7 +30,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from sao_megatron.data.episode import EpisodeFormatConfig, EpisodeFormatter  # noqa: E402
 from sao_megatron.data.tokenizer import TokenizerConfig, train_sentencepiece  # noqa: E402
-from sao_megatron.envs import make_env  # noqa: E402
+from sao_megatron.envs import make_env, task_id  # noqa: E402
 from sao_megatron.rollout.config import RolloutConfig  # noqa: E402
 from sao_megatron.rollout.manager import RolloutManager, Task  # noqa: E402
 
@@ -61,7 +61,7 @@ def run(num_engines: int, args, model: Path, fmt: EpisodeFormatter, run_dir: Pat
         request_timeout_s=300,
         startup_timeout_s=600,
     )
-    tasks = (Task(task_id=f"hanoi/{s}", make_env=hanoi, seed=s) for s in range(10**9))
+    tasks = (Task(task_id=task_id("hanoi", s), make_env=hanoi, seed=s) for s in range(10**9))
     t0 = time.monotonic()
     with RolloutManager(
         cfg, fmt, tasks, run_dir=run_dir / f"e{num_engines}", model_path=str(model)

@@ -118,7 +118,8 @@ class Trajectory:
     """One episode: ordered action nodes plus how it ended and how it was sampled.
 
     Fields:
-        task_id: identifies the task (environment name + seed); GRPO groups by it.
+        task_id: identifies the task (`sao_megatron.envs.base.task_id`: environment name +
+            seed); GRPO groups by it.
         nodes: the agent turns in order.
         terminated: the environment ended the episode (success, failure, illegal move).
         truncated: the episode hit its step/token budget; GAE then bootstraps from V(last state),

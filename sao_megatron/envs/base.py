@@ -106,9 +106,26 @@ class EnvSpec:
         return make_env(self.name, **dict(self.options))
 
 
-def task_id(env_name: str, seed: int) -> str:
-    """The task id of an episode, ``f"{env_name}:{seed}"`` (GRPO groups samples by it)."""
-    return f"{env_name}:{seed}"
+def task_id(env: str, seed: int, *, split: str = "train", draw: int | None = None) -> str:
+    """The id of a task: every task id the package builds has this one format.
+
+    ``<env>:<seed>`` for a task of the train split (``hanoi:7``), ``<split>/<env>:<seed>`` for
+    any other split (``eval/hanoi:7``), and ``:<draw>`` appended for the draw-th task of a seeded
+    stream (`sao_megatron.trainer.run_state.TaskStream`: ``hanoi:1234:5``, the sixth task drawn).
+
+    GRPO groups samples by it (equal ids: one group), the rollout derives each request's
+    sampling seed from it, and the trainer reads the draw back as its last ':' field
+    (`sao_megatron.trainer.run_state.task_index`). `env` is the environment's name or its metric
+    label and may itself hold ':' (an eval label ``gem:game_X``); the fields after it are
+    integers. Raises ValueError for an empty `split` or one holding '/' or ':', or a negative
+    `draw`.
+    """
+    if not split or "/" in split or ":" in split:
+        raise ValueError(f"task_id(split={split!r}): a non-empty name without '/' or ':'")
+    if draw is not None and draw < 0:
+        raise ValueError(f"task_id(draw={draw}): the draw index of a stream is >= 0")
+    prefix = "" if split == "train" else f"{split}/"
+    return f"{prefix}{env}:{int(seed)}" + ("" if draw is None else f":{int(draw)}")
 
 
 EnvFactory = Callable[..., Environment]

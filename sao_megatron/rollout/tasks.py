@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from sao_megatron.data.episode import EpisodeFormatter
 from sao_megatron.data.trajectory import Trajectory
+from sao_megatron.envs.base import task_id
 from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.runner import GenerateFn, run_episode
 from sao_megatron.rollout.status import EpisodeError
@@ -19,7 +20,8 @@ from sao_megatron.rollout.status import EpisodeError
 class Task:
     """One task: build a fresh environment with `make_env()` and reset it with `seed`.
 
-    task_id must be unique per task (GRPO groups by it; the fault tests count it).
+    task_id must be unique per task (GRPO groups by it; the fault tests count it); the
+    package builds it with `sao_megatron.envs.base.task_id`.
     """
 
     task_id: str
@@ -33,18 +35,19 @@ def round_robin_tasks(
 ) -> Iterator[Task]:
     """Endless tasks cycling over named environment factories, seeds start_seed, +1, ...
 
-    task_id = "<name>/<seed>".
+    task_id = ``task_id(name, seed)``: "<name>:<seed>".
     """
     for seed in itertools.count(start_seed):
         for name, make in make_envs.items():
-            yield Task(task_id=f"{name}/{seed}", make_env=make, seed=seed)
+            yield Task(task_id=task_id(name, seed), make_env=make, seed=seed)
 
 
 def agent_tasks(name: str, make_env: Callable[[], object], start_seed: int = 0) -> Iterator[Task]:
-    """Endless manager tasks ``<name>/<seed>`` of one agent environment (seeds start_seed, ...)."""
+    """Endless manager tasks ``task_id(name, seed)`` ("<name>:<seed>") of one agent environment
+    (seeds start_seed, ...)."""
     seed = start_seed
     while True:
-        yield Task(task_id=f"{name}/{seed}", make_env=make_env, seed=seed)
+        yield Task(task_id=task_id(name, seed), make_env=make_env, seed=seed)
         seed += 1
 
 

@@ -15,7 +15,7 @@ import math
 import random
 
 from sao_megatron.data.episode import EpisodeFormatter
-from sao_megatron.envs.base import EnvSpec, episode_metrics
+from sao_megatron.envs.base import EnvSpec, episode_metrics, task_id
 from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.engine import EngineClient
 from sao_megatron.rollout.runner import EpisodeError, run_episode, sample_action, stop_token_ids
@@ -104,7 +104,7 @@ def evaluate(
                 env = spec.build()
                 kw = {
                     "seed": seed,
-                    "task_id": f"eval/{label}:{seed}",
+                    "task_id": task_id(label, seed, split="eval"),
                     "formatter": formatter,
                     "generate": generate,
                     "config": cfg,

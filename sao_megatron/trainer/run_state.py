@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any, ClassVar
 
 from sao_megatron.data.trajectory import ActionNode, Trajectory
+from sao_megatron.envs.base import task_id
 from sao_megatron.rollout.manager import Task
 from sao_megatron.trainer.job import TasksConfig
 
@@ -96,7 +97,8 @@ class TaskStream:
         spec = self._rng.choices(self._specs, self._weights)[0]
         seed = self._rng.randrange(2**31)
         self.drawn += 1
-        return Task(task_id=f"{spec.name}:{seed}:{self.drawn - 1}", make_env=spec.build, seed=seed)
+        tid = task_id(spec.name, seed, draw=self.drawn - 1)
+        return Task(task_id=tid, make_env=spec.build, seed=seed)
 
     def __iter__(self) -> Iterator[Task]:
         return self
@@ -125,5 +127,6 @@ class TaskStream:
 
 
 def task_index(task_id: str) -> int:
-    """Position of a task in the `TaskStream` (its id ends with ':<index>')."""
+    """Position of a task in the `TaskStream`: the draw of its id
+    (`sao_megatron.envs.base.task_id`, the last ':' field)."""
     return int(task_id.rsplit(":", 1)[1])

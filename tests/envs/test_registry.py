@@ -133,3 +133,18 @@ def test_configs_fill_from_yaml_with_omegaconf():
         assert isinstance(OmegaConf.to_object(OmegaConf.structured(cls)), cls)
     with pytest.raises(ValueError, match="hanoi.horizon"):
         OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(HanoiConfig), {"horizon": -3}))
+
+
+def test_task_id_is_one_format_for_every_split_and_stream():
+    from sao_megatron.envs import task_id
+    from sao_megatron.trainer.run_state import task_index
+
+    assert task_id("hanoi", 7) == "hanoi:7"
+    assert task_id("hanoi", 7, split="eval") == "eval/hanoi:7"
+    assert task_id("hanoi", 1234, draw=5) == "hanoi:1234:5"
+    assert task_index(task_id("gem:game_X", 3, draw=11)) == 11  # ':' in a name is allowed
+    for bad in ("", "a/b", "a:b"):
+        with pytest.raises(ValueError, match="split"):
+            task_id("hanoi", 1, split=bad)
+    with pytest.raises(ValueError, match="draw"):
+        task_id("hanoi", 1, draw=-1)

@@ -11,6 +11,7 @@ import asyncio
 import openai
 
 from sao_megatron.data.batch import pack_trajectories
+from sao_megatron.envs.base import task_id
 from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.engine import EngineError
 from sao_megatron.rollout.gateway import AgentEnvironment
@@ -116,7 +117,7 @@ def test_no_failed_episode_reaches_the_loss(formatter, tmp_path):  # noqa: F811
     trained = [t for b in batches for t in b]
     assert len(trained) == 12
     for t in trained:
-        seed = int(t.task_id.split("/")[1])
+        seed = int(t.task_id.rsplit(":", 1)[1])
         assert kind_of(seed) in ("completed", "truncated"), t.task_id
         assert t.status == kind_of(seed) == t.info["status"]
         assert t.nodes[-1].reward == reward_of(seed) and t.total_reward == reward_of(seed)
@@ -128,7 +129,7 @@ def test_no_failed_episode_reaches_the_loss(formatter, tmp_path):  # noqa: F811
         assert packed.task_ids == [t.task_id for t in b]
         assert packed.num_action_tokens == sum(t.num_action_tokens for t in b)
         totals = packed.node_rewards.sum(1).tolist()
-        assert totals == [reward_of(int(t.task_id.split("/")[1])) for t in b]
+        assert totals == [reward_of(int(t.task_id.rsplit(":", 1)[1])) for t in b]
 
     # every injected failure happened, was counted under its status, and never reached a batch
     for kind in FAILURES:
@@ -139,6 +140,6 @@ def test_no_failed_episode_reaches_the_loss(formatter, tmp_path):  # noqa: F811
     # the others dropped after one attempt (seeds of the first cycle have long finished)
     for seed in range(2, 7):
         want = cfg.max_episode_attempts if kind_of(seed) in REQUEUED else 1
-        assert attempts[f"inject/{seed}"] == want, (seed, kind_of(seed), attempts)
+        assert attempts[task_id("inject", seed)] == want, (seed, kind_of(seed), attempts)
     assert stats["rollout/failed_groups"] >= len(FAILURES)
     assert stats["episodes/trainable_fraction"] < 1.0

@@ -28,7 +28,7 @@ def test_manager_runs_agents_and_counts_statuses(
         batch = m.get_batch(train_version=0, timeout=300)
         stats = m.stats()
     assert len(batch) == 4
-    assert all(t.status == "completed" and int(t.task_id.split("/")[1]) % 3 for t in batch)
+    assert all(t.status == "completed" and int(t.task_id.rsplit(":", 1)[1]) % 3 for t in batch)
     for t in batch:
         assert t.nodes[0].action_token_ids[-1] == formatter.end_of_turn_id
         t.validate()

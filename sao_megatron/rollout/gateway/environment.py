@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from sao_megatron.data.trajectory import Trajectory
-from sao_megatron.envs.base import options_config, register_env
+from sao_megatron.envs.base import options_config, register_env, task_id
 from sao_megatron.rollout.config import RolloutConfig
 from sao_megatron.rollout.engine import REPO_ROOT
 from sao_megatron.rollout.gateway.demonstration import AgentDemonstration, check_record
@@ -101,7 +101,7 @@ class AgentEnvironment:
         where = f"{getattr(self.demonstrate, '__qualname__', 'demonstrate')}(make_task({seed}))"
         messages, tools = check_record(self.demonstrate(task), where)
         return AgentDemonstration(
-            task_id=episode_task_id or f"{self.name}:{seed}",
+            task_id=episode_task_id or task_id(self.name, seed),
             env_name=self.name,
             seed=seed,
             messages=messages,
