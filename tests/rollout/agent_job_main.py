@@ -50,12 +50,12 @@ def _recording_pack(trajs, **kw):
     return _pack(trajs, **kw)
 
 
-def _recording_advantage_inputs(self, real):
-    inputs = _advantage_inputs(self, real)
+def _recording_advantage_inputs(self, rank):
+    inputs = _advantage_inputs(self, rank)
     _write(
         {
             "kind": "advantage_inputs",
-            "task_ids": list(real.task_ids),
+            "task_ids": list(rank.trajectories.task_ids),
             "node_rewards": inputs.node_rewards.tolist(),
         }
     )

@@ -18,6 +18,7 @@ import torch
 from sao_megatron.algorithm import registry
 from sao_megatron.algorithm.config import AlgorithmConfig, SAOConfig
 from sao_megatron.data.batch import gather_to_streams, pack_trajectories
+from sao_megatron.data.micro_batches import layout_micro_batches
 from sao_megatron.rollout.gateway import ChatGateway
 from sao_megatron.rollout.status import EpisodeStatus
 from sao_megatron.trainer.step_advantages import StepAdvantages
@@ -101,7 +102,8 @@ def test_cut_reply_is_flagged_and_never_bootstrapped(formatter, cut_turn):  # no
 
     cfg = AlgorithmConfig(name="sao", sao=SAOConfig(gamma=GAMMA, lam_policy=LAM, lam_value=1.0))
     algorithm = registry.build(cfg)
-    inputs = StepAdvantages(algorithm).inputs(batch)
+    rank = layout_micro_batches(batch, dp_rank=0, dp_size=1, micro_batch_size=1, by_group=False)
+    inputs = StepAdvantages(algorithm).inputs(rank)
     num_tokens = traj.num_action_tokens
     values = torch.linspace(0.3, -0.2, num_tokens, dtype=torch.float64)
     v_last = 2.5

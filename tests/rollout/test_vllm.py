@@ -336,8 +336,8 @@ def test_two_engines_share_uniform_load(engines, tmp_path):
         # (2026-12-05, 12-06: 35 vs 3 requests done, the slow engine holding 8 in flight all
         # window) that engine had been restarted by an earlier test, and its first generate
         # since the start fell at the window's start on a loaded machine: the router's
-        # least-outstanding choice then fed the warm engine. Cold start, not routing, is not
-        # what this test measures.
+        # least-outstanding choice then fed the warm engine. This test measures routing under a
+        # steady load, not a cold start.
         for client in m.clients:
             asyncio.run_coroutine_threadsafe(
                 client.generate([1, 2, 3], max_tokens=2, temperature=1.0, top_p=1.0,
