@@ -62,9 +62,13 @@ $(VLLM_VENV)/.installed: tools/install_vllm.sh $(GPU_PINS)
 # The tests use the real model (tests/real_model, the SmolLM2 example config): `smollm2` first.
 # The two virtualenvs install side by side (each pip is one core's work: 50 s + 74 s on 2 cores
 # one after the other), the model is fetched as soon as .venv is ready.
+# Two pytest-xdist workers (WORKERS=0: one process): tests/conftest.py keeps the tests that share
+# engines, the SLURM cluster or a whole job on one worker, and starts those groups first.
+WORKERS ?= 2
 test:
 	$(MAKE) -j2 install vllm smollm2
-	$(PY) -m pytest -q --timeout=1200 --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -q --timeout=1200 --durations=25 -n $(WORKERS) --dist loadgroup \
+		--no-loadscope-reorder $(PYTEST_ARGS)
 
 test-fast: install smollm2
 	$(PY) -m pytest -q -m "not distributed and not integration and not vllm" $(PYTEST_ARGS)

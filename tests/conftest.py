@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny MoE config, a 1-rank Megatron world, a multi-rank gloo launcher, and
-the vLLM engines the whole-job tests share (`engine_pool`)."""
+the vLLM engines the whole-job tests share (`engine_pool`); the grouping of tests for
+pytest-xdist (`pytest_collection_modifyitems`)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,49 @@ def engine_pool(tmp_path_factory):
     pool = EnginePool(tmp_path_factory.mktemp("engine_pool"))
     yield pool
     pool.close()
+
+
+#: Session- and package-scoped fixtures that start engines, a cluster or a whole job. Under
+#: pytest-xdist (`make test`: ``-n 2 --dist loadgroup``) every test that uses one of them runs on
+#: the same worker, so each is started once per run, not once per worker; tests that use two of
+#: them join the two groups. The other tests are grouped by file (module-scoped fixtures, e.g. a
+#: file's own engines, are built once too).
+SHARED_RESOURCES = ("engine_pool", "tiny_sft", "vllm_servers", "slurm_cluster")
+
+
+def xdist_groups(items: list) -> dict[str, str]:
+    """``{nodeid: group}``: the union of the `SHARED_RESOURCES` each test uses (union-find over
+    the resources a test uses together), else the test's file."""
+    parent = {r: r for r in SHARED_RESOURCES}
+
+    def root(r: str) -> str:
+        while parent[r] != r:
+            r = parent[r]
+        return r
+
+    used = {}
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        used[item.nodeid] = [r for r in SHARED_RESOURCES if r in names]
+        for a, b in zip(used[item.nodeid], used[item.nodeid][1:], strict=False):
+            parent[root(b)] = root(a)
+    return {nodeid: root(rs[0]) if rs else nodeid.split("::")[0] for nodeid, rs in used.items()}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist's ``loadgroup``: mark each test with its `xdist_groups` group, and
+    run the shared-resource groups first (the longest units of work: started first, they do
+    not end the run on one worker while the other idles; use ``--no-loadscope-reorder``, else
+    xdist orders groups by their number of tests). The workers collect (and group) the tests;
+    xdist sets their ``dist`` to "no" and ``loadgroup`` to True."""
+    if not (config.getoption("loadgroup", False) or config.getoption("dist", "no") == "loadgroup"):
+        return
+    groups = xdist_groups(items)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
+    shared = {groups[i.nodeid] for i in items if groups[i.nodeid] in SHARED_RESOURCES}
+    items.sort(key=lambda i: groups[i.nodeid] not in shared)  # stable: file order kept
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:

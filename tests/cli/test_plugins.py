@@ -250,7 +250,9 @@ def test_rebn_trains_3_steps_on_2_ranks_through_sao_train(tmp_path, engine_pool)
         pytest.skip(f"{VLLM_PY} is absent: run `make vllm` (CI does)")
     run = tmp_path / "rebn"
     args = [f"run_dir={run}", *TINY, "algorithm.name=rebn", "rl.steps=3", "stages=[sft,rl]"]
-    args += engine_pool.overrides(CONFIG, args)  # the session's shared engine for this model
+    # the session's shared engine for this model; the pool resolves the config in this process,
+    # which must import the plug-in too (it may run before any other test imported it)
+    args += engine_pool.overrides(CONFIG, [*args, f"plugins=[{REBN}]"])
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
         "-m", "sao_megatron.cli.train", CONFIG, "--import", REBN, *args,
