@@ -31,7 +31,7 @@ def build(**kw) -> Algorithm:
 # ---------------------------------------------------------------- registry
 
 
-def test_registry_lists_and_builds_the_three_algorithms():
+def test_registry_lists_and_builds_the_three_algorithms(package_registry):
     assert registry.names() == ["grpo", "grpo_dis", "sao"]
     for name in registry.names():
         algo = build(name=name)
@@ -40,7 +40,7 @@ def test_registry_lists_and_builds_the_three_algorithms():
         registry.get("ppo")
 
 
-def test_register_rejects_a_taken_or_empty_name():
+def test_register_rejects_a_taken_or_empty_name(package_registry):
     class Other(Algorithm):
         name = "sao"
 

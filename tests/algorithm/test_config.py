@@ -81,7 +81,7 @@ def test_bool_fields_type_checked():
         GRPOConfig(std_normalize="yes")
 
 
-def test_unknown_name_lists_the_registered_algorithms():
+def test_unknown_name_lists_the_registered_algorithms(package_registry):
     with pytest.raises(ValueError, match="algorithm.name='ppo'.*grpo, grpo_dis, sao"):
         AlgorithmConfig(name="ppo")
 
