@@ -94,8 +94,7 @@ def pytest_collection_modifyitems(config, items):
     groups = xdist_groups(items)
     for item in items:
         item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
-    shared = {groups[i.nodeid] for i in items if groups[i.nodeid] in SHARED_RESOURCES}
-    items.sort(key=lambda i: groups[i.nodeid] not in shared)  # stable: file order kept
+    items.sort(key=lambda i: groups[i.nodeid] not in SHARED_RESOURCES)  # stable: file order kept
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:
