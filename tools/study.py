@@ -5,6 +5,7 @@ run by one command that can be interrupted at any point and picked up later.
     python tools/study.py examples/studies/quickstart_bounds.yaml --plan     # cells, state, cost
     python tools/study.py examples/studies/quickstart_bounds.yaml --report   # tables and plots
     python tools/study.py STUDY.yaml --only 'sao*' --max-cells 2             # a part of it
+    python tools/study.py STUDY.yaml --shared                                # shared stages only
 
 The study file (YAML) names the job config, the RL steps and evaluation every cell shares, the
 algorithms, the variants (ablations) and the seeds; each cell is one run folder
@@ -61,6 +62,27 @@ class Variant:
     overrides: list[str] = field(default_factory=list)
     own_value_pretrain: bool = False
     algorithms: list[str] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=list)
+    """the study's seeds this variant runs (empty: all of them); an ablation can run on fewer
+    seeds than the main comparison"""
+
+
+@dataclass(kw_only=True)
+class HorizonEval:
+    """`horizon_eval` (Tower-of-Hanoi studies): held-out success and per-move error rates of each
+    finished cell's final policy (``hf_policy_final``) and of the RL start, at each horizon,
+    by `tools/eval_horizon.py`'s evaluation (one vLLM engine, the job's episode loop), saved in
+    the cell's ``horizon_eval.json`` as soon as measured (never rerun for the same key).
+
+    Fields:
+        horizons: optimal moves from the goal of the held-out puzzles (e.g. [50, 200, 500]).
+        num_tasks: held-out puzzles per horizon, the same for every policy.
+        groups: globs over cell groups ("sao", "sao+k1") to evaluate; empty: every group.
+    """
+
+    horizons: list[int] = field(default_factory=lambda: [50, 200, 500])
+    num_tasks: int = 24
+    groups: list[str] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
@@ -92,6 +114,9 @@ class Study:
         group_size: GRPO's group (trajectories per task) for the named algorithms.
         seconds_per_step: algorithm -> RL seconds per step measured on a short run, for
             `--plan` until a cell of that algorithm has run (the study's own rate replaces it).
+        horizon_eval: evaluate finished cells at several Hanoi horizons (`HorizonEval`).
+        report_eval_keys: held-out metrics (``rl/eval.jsonl`` keys, e.g.
+            "eval/gem/mean_turns") the report gives before and after RL, mean ± s.e. per group.
     """
 
     name: str
@@ -111,6 +136,8 @@ class Study:
     seeds: list[int] = field(default_factory=lambda: [0])
     group_size: int = 8
     seconds_per_step: dict[str, float] = field(default_factory=dict)
+    horizon_eval: HorizonEval | None = None
+    report_eval_keys: list[str] = field(default_factory=list)
 
 
 def load_study(path: str | Path) -> Study:
@@ -132,6 +159,16 @@ def load_study(path: str | Path) -> Study:
                 f"{path}: variants.{name}.algorithms names {unknown}, not in `algorithms` "
                 f"({sorted(study.algorithms)})"
             )
+        stray = [x for x in v.seeds if x not in study.seeds]
+        if stray:
+            raise ValueError(
+                f"{path}: variants.{name}.seeds names {stray}, not in `seeds` ({study.seeds})"
+            )
+    h = study.horizon_eval
+    if h is not None and (not h.horizons or min(h.horizons) < 1 or h.num_tasks < 1):
+        raise ValueError(
+            f"{path}: horizon_eval needs horizons >= 1 (e.g. [50, 200, 500]) and num_tasks >= 1"
+        )
     return study
 
 
@@ -171,7 +208,8 @@ def _algorithm_overrides(study: Study, name: str, base) -> list[str]:
 
 def cells(study: Study) -> list[Cell]:
     """Every cell of the study, in run order: seed-major (a cut-short study has every
-    algorithm on its first seeds), then algorithm, then variant."""
+    algorithm on its first seeds), then algorithm, then variant; with a baseline, its cells
+    (the main comparison) all come before the variants' (the ablations)."""
     from sao_megatron.algorithm import registry
     from sao_megatron.configs import load_config
     from sao_megatron.trainer.job import JobConfig
@@ -184,7 +222,7 @@ def cells(study: Study) -> list[Cell]:
         for algo, algo_user in study.algorithms.items():
             algo_ov = [*_algorithm_overrides(study, algo, base), *algo_user]
             for vname, v in variants.items():
-                if v.algorithms and algo not in v.algorithms:
+                if (v.algorithms and algo not in v.algorithms) or (v.seeds and seed not in v.seeds):
                     continue
                 job = load_config(
                     JobConfig, REPO / study.config, [*study.overrides, *algo_ov, "stages=[rl]"]
@@ -210,6 +248,8 @@ def cells(study: Study) -> list[Cell]:
                     f"rollout.seed={seed}",  # a config's own rollout.seed would win
                 ]
                 out.append(Cell(algo, vname, seed, run_dir, overrides, needs_value, own_vp))
+    if study.include_baseline:  # the main comparison first, then the ablations (stable sort)
+        out.sort(key=lambda c: c.variant != "")
     return out
 
 
@@ -305,8 +345,12 @@ def _shared_dirs(study: Study) -> tuple[Path, Path]:
     return shared / "sft", shared / "value_pretrain"
 
 
-def run(study: Study, todo: list[Cell]) -> None:
-    """Run the shared stages the cells need, then each cell not done, in order."""
+def run(study: Study, todo: list[Cell], selected: list[Cell] | None = None) -> None:
+    """Run the shared stages the cells need, then each cell not done, in order; with
+    `horizon_eval`, evaluate each finished cell of `selected` (default `todo`) as it finishes
+    (and those finished before, first)."""
+    selected = todo if selected is None else selected
+    evaluate_horizons(study, selected)
     sft_dir, vp_dir = _shared_dirs(study)
     if study.shared_sft:
         _run_folder(
@@ -315,7 +359,7 @@ def run(study: Study, todo: list[Cell]) -> None:
             [*study.overrides, "stages=[sft]", "tasks.num_eval_tasks=0", "logging.console=false"],
             "shared SFT",
         )
-    needs_vp = any(c.needs_value_model and not c.own_value_pretrain for c in todo)
+    needs_vp = any(c.needs_value_model and not c.own_value_pretrain for c in todo or selected)
     if needs_vp and study.shared_value_pretrain:
         _run_folder(
             study,
@@ -344,6 +388,118 @@ def run(study: Study, todo: list[Cell]) -> None:
             f"cell {i}/{len(todo)} {cell.name}",
             prepare=prepare,
         )
+        evaluate_horizons(study, selected)
+
+
+# ---------------------------------------------------------------------------- horizon evaluation
+HORIZON = "horizon_eval.json"
+START = "the RL start"
+
+
+def wants_horizon_eval(study: Study, cell: Cell) -> bool:
+    """Whether `study.horizon_eval` covers the cell's group."""
+    h = study.horizon_eval
+    return h is not None and (not h.groups or any(fnmatch.fnmatch(cell.group, g) for g in h.groups))
+
+
+def _start_policy(study: Study, all_cells: list[Cell]) -> Path | None:
+    """The RL start's Hugging Face folder: the shared value pre-training's (it serves the SFT
+    policy, never trains it), else a finished cell's ``hf_policy`` that ran in one attempt (a
+    resumed job re-exports it from its checkpoint, so only a single attempt's is the start)."""
+    vp = _shared_dirs(study)[1] / "hf_policy"
+    if study.shared_sft and (vp / "config.json").exists():
+        return vp
+    for c in all_cells:
+        if state(c) == "done" and (c.run_dir / "hf_policy" / "config.json").exists():
+            if len(json.loads((c.run_dir / CELL).read_text())["attempts"]) == 1:
+                return c.run_dir / "hf_policy"
+    return None
+
+
+def horizon_result(path: Path, study: Study) -> dict[int, dict[str, float]] | None:
+    """The saved {horizon: figures} at `path` when measured with the study's horizons and task
+    count; else None."""
+    if not path.exists() or study.horizon_eval is None:
+        return None
+    saved = json.loads(path.read_text())
+    h = study.horizon_eval
+    if saved.get("key") != {"horizons": list(h.horizons), "num_tasks": h.num_tasks}:
+        return None
+    return {int(k): v for k, v in saved["results"].items()}
+
+
+def evaluate_horizons(study: Study, all_cells: list[Cell], evaluate=None) -> None:
+    """Evaluate, at the study's horizons, every finished cell `horizon_eval` covers and the RL
+    start, each once (saved as measured; an interrupted evaluation redoes only its policy).
+    `evaluate`: ``eval_horizon.evaluate_policy`` (a test passes its own)."""
+    if study.horizon_eval is None:
+        return
+    from sao_megatron.configs import load_config
+    from sao_megatron.trainer.job import JobConfig
+
+    if evaluate is None:
+        from eval_horizon import evaluate_policy as evaluate
+    h = study.horizon_eval
+    todo = [
+        (c.run_dir / "hf_policy_final", c.run_dir / HORIZON, c.name, c.run_dir)
+        for c in all_cells
+        if wants_horizon_eval(study, c) and state(c) == "done"
+    ]
+    start = _start_policy(study, all_cells)
+    if start is not None:
+        shared = Path(study.out) / "_shared"
+        todo.insert(0, (start, shared / HORIZON, START, start.parent))
+    for hf, out, what, run_dir in todo:
+        if horizon_result(out, study) is not None:
+            continue
+        job = load_config(JobConfig, run_dir / "config.yaml")
+        print(f"[study] horizon evaluation of {what} ({hf}): H = {h.horizons}", flush=True)
+        t0 = time.perf_counter()
+        results = evaluate(hf, job, list(h.horizons), h.num_tasks, run_dir / "horizon_eval_engine")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(
+            json.dumps(
+                {
+                    "key": {"horizons": list(h.horizons), "num_tasks": h.num_tasks},
+                    "hf_dir": str(hf),
+                    "commit": benchlib._git("rev-parse", "--short", "HEAD"),
+                    "utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+                    "wall_s": round(time.perf_counter() - t0, 1),
+                    "results": results,
+                },
+                indent=1,
+            )
+        )
+
+
+def horizon_table(study: Study, all_cells: list[Cell]) -> str:
+    """Success and per-move error rates by horizon: the RL start, then each group's mean ±
+    standard error over its evaluated seeds (`eval_horizon.render_over_seeds`); the cells not
+    evaluated yet are named."""
+    from eval_horizon import render_over_seeds
+
+    results: dict[str, dict[int, dict[str, float]]] = {}
+    start = horizon_result(Path(study.out) / "_shared" / HORIZON, study)
+    if start is not None:
+        results[START] = start
+    missing = []
+    for c in all_cells:
+        if not wants_horizon_eval(study, c):
+            continue
+        r = horizon_result(c.run_dir / HORIZON, study)
+        if r is None:
+            missing.append(c.name)
+        else:
+            results[f"{c.group} r{c.seed}"] = r
+    h = study.horizon_eval
+    head = (
+        f"Held-out Hanoi by horizon ({h.num_tasks} puzzles per horizon, the same for every "
+        "policy; `tools/eval_horizon.py`'s evaluation of each cell's final policy):"
+    )
+    text = head + ("\n\n" + render_over_seeds(results, list(h.horizons)) if results else "")
+    if missing:
+        text += "\n\nNot evaluated yet: " + ", ".join(missing) + "."
+    return text
 
 
 # ---------------------------------------------------------------------------- report
@@ -361,6 +517,8 @@ class CellFigures:
     ev_mean: float | None  # the critic's explained variance before its updates, mean over RL
     collapsed: bool | None = None  # tools/bench_stability.py's rule, on finished cells
     attempts: int = 1  # jobs run into the folder (> 1: resumed; its RL clock is the last one's)
+    eval_first: dict | None = None  # the held-out evaluation before RL (rl/eval.jsonl)
+    eval_last: dict | None = None  # the last one (after RL, on a finished cell)
 
 
 def figures(cell: Cell) -> CellFigures:
@@ -426,6 +584,8 @@ def figures(cell: Cell) -> CellFigures:
         ev_mean=sum(evs) / len(evs) if evs else None,
         collapsed=collapsed,
         attempts=len(record["attempts"]),
+        eval_first=evals[0] if evals and int(evals[0].get("step", 0)) == 0 else None,
+        eval_last=evals[-1] if st == "done" and len(evals) > 1 else None,
     )
 
 
@@ -500,6 +660,26 @@ def report_text(study: Study, figs: list[CellFigures], plot_rel: str | None) -> 
             f"| {f.cell.name} | {st} | {f.steps} of {study.rl_steps} | "
             f"{_pct(f.before)} -> {_pct(f.after)} | {wall} | {load} |"
         )
+    if study.report_eval_keys:
+        lines += [
+            "",
+            "Held-out metrics before -> after RL (mean ± standard error over the finished seeds):",
+            "",
+            "| algorithm + variant | "
+            + " | ".join(f"`{k}`" for k in study.report_eval_keys)
+            + " |",
+            "|---|" + "---|" * len(study.report_eval_keys),
+        ]
+        for g, fs in groups.items():
+            fin = [f for f in fs if f.state == "done"]
+            row = []
+            for k in study.report_eval_keys:
+                ends = []
+                for which in ("eval_first", "eval_last"):
+                    m, se, n = mean_se([(getattr(f, which) or {}).get(k) for f in fin])
+                    ends.append("-" if not n else f"{m:.3g}" + (f" ± {se:.2g}" if n > 1 else ""))
+                row.append(" -> ".join(ends))
+            lines.append(f"| {g} | " + " | ".join(row) + " |")
     if plot_rel:
         lines += ["", f"![{study.name}]({plot_rel})"]
     return "\n".join(lines)
@@ -573,6 +753,13 @@ def plan_text(study: Study, all_cells: list[Cell]) -> str:
             est = "unknown"
         lines.append(f"{f.cell.name:40s} {f.state:11s} step {f.steps:4d}/{study.rl_steps}  {est}")
     lines.append(f"left: ~{left / 3600:.1f} h of RL (measured rates, else the study's hints)")
+    if study.horizon_eval is not None:
+        paths = [Path(study.out) / "_shared" / HORIZON]
+        paths += [c.run_dir / HORIZON for c in all_cells if wants_horizon_eval(study, c)]
+        walls = [json.loads(x.read_text())["wall_s"] for x in paths if horizon_result(x, study)]
+        n = sum(horizon_result(x, study) is None for x in paths)
+        each = f"~{sum(walls) / len(walls) / 60:.0f} min each" if walls else "cost unknown yet"
+        lines.append(f"horizon evaluations left: {n} of {len(paths)} policies ({each})")
     if unknown:
         lines.append(f"unknown rate (no cell of the algorithm has run yet): {len(unknown)} cells")
     return "\n".join(lines)
@@ -594,6 +781,11 @@ def main(argv: list[str] | None = None) -> int:
         help="run only cells whose name ('sao+variant/seed0') matches this glob",
     )
     ap.add_argument("--max-cells", type=int, default=0, help="run at most this many cells")
+    ap.add_argument(
+        "--shared",
+        action="store_true",
+        help="run only the shared stages (SFT, value pre-training) the selected cells need",
+    )
     args = ap.parse_args(argv)
     study = load_study(args.study)
     all_cells = cells(study)
@@ -606,6 +798,8 @@ def main(argv: list[str] | None = None) -> int:
         img = (REPO / "docs" / "img" if args.write else Path(study.out)) / img_name
         plot(study, figs, img)
         text = report_text(study, figs, f"img/{img.name}" if args.write else str(img))
+        if study.horizon_eval is not None:
+            text += "\n\n" + horizon_table(study, all_cells)
         print(text)
         if args.write:
             if not study.section:
@@ -616,7 +810,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_cells:
         todo = todo[: args.max_cells]
     print(f"[study] {study.name}: {len(todo)} cell(s) to run of {len(all_cells)}", flush=True)
-    run(study, todo)
+    selected = [c for c in all_cells if fnmatch.fnmatch(c.name, args.only)]
+    run(study, [] if args.shared else todo, selected)
     return 0
 
 

@@ -34,10 +34,15 @@ if stages == "[sft]":
     (run_dir / "checkpoints" / "sft" / "step_00000010").mkdir(parents=True)
     (run_dir / "tokenizer").mkdir(); (run_dir / "tokenizer" / "t.model").write_text("tok")
     sys.exit(0)
+def hf(name):  # a Hugging Face folder, as the job exports them
+    (run_dir / name).mkdir(exist_ok=True); (run_dir / name / "config.json").write_text("{}")
+if "FAKE_CONFIG" in os.environ:  # the job writes the config it trained with
+    (run_dir / "config.yaml").write_text(Path(os.environ["FAKE_CONFIG"]).read_text())
 if stages == "[value_pretrain]":
     assert (run_dir / "checkpoints" / "sft" / "step_00000010").is_dir(), "not seeded from SFT"
     (run_dir / "checkpoints" / "rl" / "step_00000000").mkdir(parents=True)
     (run_dir / "checkpoints" / "rl" / "step_00000000" / "critic").write_text("vp")
+    hf("hf_policy")
     sys.exit(0)
 steps, seed = int(ov["rl.steps"]), int(ov["seed"])
 sao = "algorithm.name=grpo" not in sys.argv[2:]
@@ -50,7 +55,8 @@ start = max(done, default=0) // every * every  # resumes from its last checkpoin
 die_at = int(os.environ.get("FAKE_DIE_AT", "0"))
 if not done:
     with open(rl / "eval.jsonl", "a") as f:
-        f.write(json.dumps({"step": 0, "eval/success_rate": 0.1 + 0.01 * seed}) + "\n")
+        first = {"step": 0, "eval/success_rate": 0.1 + 0.01 * seed, "eval/turns": 5.0}
+        f.write(json.dumps(first) + "\n")
 for step in range(start + 1, steps + 1):
     with open(metrics, "a") as f:
         f.write(json.dumps({"step": step, "time/rl_elapsed_s": 2.0 * step,
@@ -61,7 +67,9 @@ for step in range(start + 1, steps + 1):
         sys.exit(3)
 with open(rl / "eval.jsonl", "a") as f:
     final = (0.5 if sao else 0.3) + 0.01 * seed
-    f.write(json.dumps({"step": steps, "eval/success_rate": final}) + "\n")
+    last = {"step": steps, "eval/success_rate": final, "eval/turns": 3.0 + seed}
+    f.write(json.dumps(last) + "\n")
+hf("hf_policy_final")
 """
 
 STUDY = """\
@@ -104,7 +112,7 @@ def test_cells_are_seed_major_with_their_own_overrides(study):
     path, out, _ = study
     cells = study_mod.cells(study_mod.load_study(path))
     assert [c.name for c in cells] == [
-        "sao/seed0", "sao+k1/seed0", "grpo/seed0", "sao/seed1", "sao+k1/seed1", "grpo/seed1",
+        "sao/seed0", "grpo/seed0", "sao/seed1", "grpo/seed1", "sao+k1/seed0", "sao+k1/seed1",
     ]  # fmt: skip
     by = {c.name: c for c in cells}
     assert by["sao+k1/seed1"].run_dir == out / "sao+k1" / "seed1"
@@ -257,5 +265,91 @@ def test_plan_of_a_study_not_started_prices_cells_from_the_hints(study):
     st.seconds_per_step = {"sao": 60.0, "grpo": 30.0}
     lines = study_mod.plan_text(st, study_mod.cells(st)).splitlines()
     assert lines[0].split() == ["sao/seed0", "missing", "step", "0/4", "~4", "min", "(hint)"]
-    assert lines[2].split()[-3:] == ["~2", "min", "(hint)"]  # grpo/seed0
+    assert lines[1].split()[-3:] == ["~2", "min", "(hint)"]  # grpo/seed0
     assert lines[-1].startswith("left: ~0.3 h")  # 4 SAO cells x 4 min + 2 GRPO cells x 2 min
+
+
+def test_a_variant_runs_on_its_own_seeds(study):
+    path, _, _ = study
+    path.write_text(
+        path.read_text().replace("algorithms: [sao]", "algorithms: [sao]\n    seeds: [1]")
+    )
+    names = [c.name for c in study_mod.cells(study_mod.load_study(path))]
+    assert names == ["sao/seed0", "grpo/seed0", "sao/seed1", "grpo/seed1", "sao+k1/seed1"]
+    path.write_text(path.read_text().replace("seeds: [1]", "seeds: [7]"))
+    with pytest.raises(ValueError, match=r"variants.k1.seeds names \[7\], not in `seeds`"):
+        study_mod.load_study(path)
+
+
+def test_horizon_evaluation_of_finished_cells_and_the_start_once_each(study, monkeypatch):
+    """`horizon_eval`: the RL start (the shared value pre-training's policy) and each finished
+    cell of the covered groups evaluated once, as it finishes; a rerun evaluates nothing again;
+    the report has the by-horizon table over seeds and names what is not evaluated."""
+    path, out, _ = study
+    monkeypatch.setenv("FAKE_CONFIG", str(ROOT / "examples/configs/hanoi_plan.yaml"))
+    path.write_text(
+        path.read_text()
+        + "horizon_eval: {horizons: [50, 200], num_tasks: 4, groups: [sao, grpo]}\n"
+        + "report_eval_keys: [eval/turns]\n"
+    )
+    calls = []
+
+    def evaluate(hf_dir, job, horizons, num_tasks, work):
+        assert (hf_dir / "config.json").exists() and job.tasks.train[0].name == "hanoi"
+        calls.append(str(hf_dir.relative_to(out)))
+        seed = 0 if "seed0" in str(hf_dir) else 1
+        base = 0.2 if "value_pretrain" in str(hf_dir) else 0.6 + 0.1 * seed
+        return {
+            h: {"success_rate": base if h == 50 else base - 0.1, "illegal_move_rate": 0.01,
+                "non_optimal_move_rate": 0.02} for h in horizons
+        }  # fmt: skip
+
+    real = study_mod.evaluate_horizons
+    monkeypatch.setattr(
+        study_mod, "evaluate_horizons", lambda st, cells: real(st, cells, evaluate=evaluate)
+    )
+    monkeypatch.setenv("FAKE_DIE_AT", "2")
+    with pytest.raises(RuntimeError):
+        study_mod.main([str(path), "--only", "*/seed1"])
+    monkeypatch.delenv("FAKE_DIE_AT")
+    assert calls == []  # nothing finished
+    assert study_mod.main([str(path), "--only", "*/seed0"]) == 0
+    # the start once (when the first cell finished), then each covered cell as it finished;
+    # sao+k1 is not a covered group
+    assert calls == [
+        "_shared/value_pretrain/hf_policy", "sao/seed0/hf_policy_final",
+        "grpo/seed0/hf_policy_final",
+    ]  # fmt: skip
+    st = study_mod.load_study(path)
+    assert "horizon evaluations left: 2 of 5 policies" in study_mod.plan_text(
+        st, study_mod.cells(st)
+    )
+    assert study_mod.main([str(path)]) == 0
+    assert calls[3:] == ["sao/seed1/hf_policy_final", "grpo/seed1/hf_policy_final"]
+    assert study_mod.main([str(path)]) == 0 and len(calls) == 5  # saved: never again
+    table = study_mod.horizon_table(st, study_mod.cells(st))
+    rows = {r.split(" | ")[0][2:]: r.split(" | ") for r in table.splitlines() if r.startswith("| ")}
+    assert rows["the RL start"][1:3] == ["1", "0.200"]
+    assert rows["sao"][1:3] == ["2", "0.650 ± 0.050"]  # seeds 0.6, 0.7
+    assert rows["sao"][5] == "0.550 ± 0.050"  # H = 200: 0.1 less in the fake
+    assert "Not evaluated" not in table
+    saved = json.loads((out / "sao" / "seed0" / "horizon_eval.json").read_text())
+    assert saved["key"] == {"horizons": [50, 200], "num_tasks": 4} and "commit" in saved
+    # another task count is another measurement: every policy is missing again
+    st.horizon_eval.num_tasks = 8
+    assert "Not evaluated yet: sao/seed0, grpo/seed0" in study_mod.horizon_table(
+        st, study_mod.cells(st)
+    )
+    # the report's held-out metric before -> after, over seeds: turns 5 -> 3, 4
+    figs = [study_mod.figures(c) for c in study_mod.cells(st)]
+    text = study_mod.report_text(st, figs, None)
+    assert "| grpo | 5 ± 0 -> 3.5 ± 0.5 |" in text
+
+
+def test_shared_runs_only_the_shared_stages(study):
+    path, out, jobs = study
+    assert study_mod.main([str(path), "--shared", "--only", "grpo/*"]) == 0
+    assert [j["stages"] for j in jobs()] == ["[sft]"]  # GRPO cells need no critic
+    assert study_mod.main([str(path), "--shared"]) == 0
+    assert [j["stages"] for j in jobs()] == ["[sft]", "[value_pretrain]"]
+    assert not (out / "sao").exists()
