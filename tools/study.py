@@ -117,6 +117,9 @@ class Study:
         horizon_eval: evaluate finished cells at several Hanoi horizons (`HorizonEval`).
         report_eval_keys: held-out metrics (``rl/eval.jsonl`` keys, e.g.
             "eval/gem/mean_turns") the report gives before and after RL, mean ± s.e. per group.
+        shared_from: another study's `out` whose shared stages (``_shared``) this one starts
+            from (same config and `overrides`: the stages' commands must match, else the run
+            is refused as for a changed cell); empty: its own.
     """
 
     name: str
@@ -138,6 +141,7 @@ class Study:
     seconds_per_step: dict[str, float] = field(default_factory=dict)
     horizon_eval: HorizonEval | None = None
     report_eval_keys: list[str] = field(default_factory=list)
+    shared_from: str = ""
 
 
 def load_study(path: str | Path) -> Study:
@@ -309,12 +313,15 @@ def _attempt(run_dir: Path, cmd: list[str], what: str) -> int:
     return rc
 
 
-def _run_folder(study: Study, run_dir: Path, overrides: list[str], what: str, prepare=None) -> None:
+def _run_folder(
+    study: Study, run_dir: Path, overrides: list[str], what: str, prepare=None, shared=False
+) -> None:
     """Run one job into run_dir to its end, once: skip when done, resume when unfinished, refuse
-    another job's folder. Raises RuntimeError with the log's tail when the job fails."""
+    another job's folder (`shared`: a finished one too: a shared stage made by another command
+    is not this study's start). Raises RuntimeError with the log's tail when the job fails."""
     cmd = _command(study, run_dir, overrides)
     spec = {"config": study.config, "overrides": overrides}
-    if (run_dir / DONE).exists():
+    if (run_dir / DONE).exists() and not shared:
         return
     if (run_dir / CELL).exists():
         old = json.loads((run_dir / CELL).read_text())
@@ -324,6 +331,8 @@ def _run_folder(study: Study, run_dir: Path, overrides: list[str], what: str, pr
                 "changed this cell: delete the folder to rerun it, or give the change a variant "
                 "of its own"
             )
+        if (run_dir / DONE).exists():
+            return
         what += f" (resuming at RL step {_rl_steps_done(run_dir)})"
     else:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -341,7 +350,7 @@ def _run_folder(study: Study, run_dir: Path, overrides: list[str], what: str, pr
 
 
 def _shared_dirs(study: Study) -> tuple[Path, Path]:
-    shared = Path(study.out) / "_shared"
+    shared = Path(study.shared_from or study.out) / "_shared"
     return shared / "sft", shared / "value_pretrain"
 
 
@@ -358,6 +367,7 @@ def run(study: Study, todo: list[Cell], selected: list[Cell] | None = None) -> N
             sft_dir,
             [*study.overrides, "stages=[sft]", "tasks.num_eval_tasks=0", "logging.console=false"],
             "shared SFT",
+            shared=True,
         )
     needs_vp = any(c.needs_value_model and not c.own_value_pretrain for c in todo or selected)
     if needs_vp and study.shared_value_pretrain:
@@ -372,6 +382,7 @@ def run(study: Study, todo: list[Cell], selected: list[Cell] | None = None) -> N
             ],
             "shared value pre-training",
             prepare=(lambda d: seed_from_sft(sft_dir, d)) if study.shared_sft else None,
+            shared=True,
         )
     for i, cell in enumerate(todo, 1):
 

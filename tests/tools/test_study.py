@@ -353,3 +353,19 @@ def test_shared_runs_only_the_shared_stages(study):
     assert study_mod.main([str(path), "--shared"]) == 0
     assert [j["stages"] for j in jobs()] == ["[sft]", "[value_pretrain]"]
     assert not (out / "sao").exists()
+
+
+def test_a_study_starts_from_another_studys_shared_stages(study, tmp_path):
+    path, out, jobs = study
+    assert study_mod.main([str(path), "--shared"]) == 0
+    other = tmp_path / "other.yaml"
+    text = path.read_text().replace(f"out: {out}", f"out: {tmp_path / 'out2'}")
+    other.write_text(text + f"shared_from: {out}\nrl_steps: 6\n".replace("rl_steps: 6\n", ""))
+    assert study_mod.main([str(other), "--only", "sao/seed0"]) == 0
+    assert [j["stages"] for j in jobs()] == ["[sft]", "[value_pretrain]", "[rl]"]  # no new SFT
+    assert (tmp_path / "out2" / "sao" / "seed0" / "checkpoints" / "rl" / "step_00000000").is_dir()
+    assert not (tmp_path / "out2" / "_shared" / "sft").exists()
+    # other shared overrides: the shared stages' command differs, refused as a changed cell
+    other.write_text(other.read_text() + "overrides: [rollout.max_staleness=4]\n")
+    with pytest.raises(RuntimeError, match="shared SFT.*holds another job"):
+        study_mod.main([str(other), "--only", "grpo/seed0"])
