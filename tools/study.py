@@ -120,6 +120,9 @@ class Study:
         shared_from: another study's `out` whose shared stages (``_shared``) this one starts
             from (same config and `overrides`: the stages' commands must match, else the run
             is refused as for a changed cell); empty: its own.
+        shared_save_interval: checkpoint the shared stages every this many of their steps (SFT
+            steps, value pre-training steps), so a long one resumes; 0: the config's own
+            ``checkpoint.save_interval``.
     """
 
     name: str
@@ -142,6 +145,7 @@ class Study:
     horizon_eval: HorizonEval | None = None
     report_eval_keys: list[str] = field(default_factory=list)
     shared_from: str = ""
+    shared_save_interval: int = 0
 
 
 def load_study(path: str | Path) -> Study:
@@ -313,6 +317,15 @@ def _attempt(run_dir: Path, cmd: list[str], what: str) -> int:
     return rc
 
 
+def _what_it_makes(spec: dict) -> dict:
+    """A job's config and overrides without its checkpoint interval (how often it saves, not
+    what it trains)."""
+    overrides = [
+        o for o in spec["overrides"] or [] if not o.startswith("checkpoint.save_interval=")
+    ]
+    return {"config": spec["config"], "overrides": overrides}
+
+
 def _run_folder(
     study: Study, run_dir: Path, overrides: list[str], what: str, prepare=None, shared=False
 ) -> None:
@@ -325,7 +338,7 @@ def _run_folder(
         return
     if (run_dir / CELL).exists():
         old = json.loads((run_dir / CELL).read_text())
-        if {k: old.get(k) for k in spec} != spec:
+        if _what_it_makes({k: old.get(k) for k in spec}) != _what_it_makes(spec):
             raise RuntimeError(
                 f"{what}: {run_dir} holds another job ({old.get('overrides')}); the study file "
                 "changed this cell: delete the folder to rerun it, or give the change a variant "
@@ -361,11 +374,19 @@ def run(study: Study, todo: list[Cell], selected: list[Cell] | None = None) -> N
     selected = todo if selected is None else selected
     evaluate_horizons(study, selected)
     sft_dir, vp_dir = _shared_dirs(study)
+    n = study.shared_save_interval
+    saves = [f"checkpoint.save_interval={n}"] if n else []
     if study.shared_sft:
         _run_folder(
             study,
             sft_dir,
-            [*study.overrides, "stages=[sft]", "tasks.num_eval_tasks=0", "logging.console=false"],
+            [
+                *study.overrides,
+                "stages=[sft]",
+                "tasks.num_eval_tasks=0",
+                "logging.console=false",
+                *saves,
+            ],
             "shared SFT",
             shared=True,
         )
@@ -379,6 +400,7 @@ def run(study: Study, todo: list[Cell], selected: list[Cell] | None = None) -> N
                 "stages=[value_pretrain]",
                 "tasks.num_eval_tasks=0",
                 "logging.console=false",
+                *saves,
             ],
             "shared value pre-training",
             prepare=(lambda d: seed_from_sft(sft_dir, d)) if study.shared_sft else None,

@@ -350,9 +350,12 @@ def test_shared_runs_only_the_shared_stages(study):
     path, out, jobs = study
     assert study_mod.main([str(path), "--shared", "--only", "grpo/*"]) == 0
     assert [j["stages"] for j in jobs()] == ["[sft]"]  # GRPO cells need no critic
+    path.write_text(path.read_text() + "shared_save_interval: 50\n")  # the next stage's only
     assert study_mod.main([str(path), "--shared"]) == 0
     assert [j["stages"] for j in jobs()] == ["[sft]", "[value_pretrain]"]
     assert not (out / "sao").exists()
+    vp = json.loads((out / "_shared" / "value_pretrain" / "cell.json").read_text())
+    assert vp["overrides"][-1] == "checkpoint.save_interval=50"
 
 
 def test_a_study_starts_from_another_studys_shared_stages(study, tmp_path):
