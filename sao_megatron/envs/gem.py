@@ -64,13 +64,18 @@ import logging
 import math
 import random
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
 
-from sao_megatron.envs.base import StepResult, options_config, register_env
+from sao_megatron.envs.base import (
+    StepResult,
+    options_config,
+    register_env,
+    register_episode_metrics,
+)
 from sao_megatron.envs.gem_solvers import SOLVERS
 from sao_megatron.envs.options import did_you_mean
 
@@ -311,6 +316,7 @@ class GemEnv:
         else:
             self.max_steps = own if isinstance(own, int) and own >= 1 else DEFAULT_MAX_TURNS
         self.num_turns = 0
+        self.invalid_turns = 0
         self.episode_return = 0.0
         self.done = False
         return self._render(observation, info or {})
@@ -321,6 +327,8 @@ class GemEnv:
         if self.done:
             raise RuntimeError(f"{self.name}.step() on a finished episode: call reset() first")
         text = action if isinstance(action, str) else ""
+        guesses = getattr(self.game, "previous_guesses", None)
+        before = len(guesses) if isinstance(guesses, set | list | dict) else None
         with self._rng.active():
             observation, reward, terminated, truncated, info = self.game.step(text)
         reward = float(reward)
@@ -330,6 +338,11 @@ class GemEnv:
         self.num_turns += 1
         self.episode_return += reward
         done, cut = bool(terminated), bool(truncated) and not terminated
+        malformed = done and reward == FORMAT_ERROR_REWARD
+        if before is not None and not malformed and len(self.game.previous_guesses) == before:
+            # parsed, but no guess recorded: out of range, repeated or of the wrong length (GEM
+            # pays invalid_action_reward, 0 like a valid step's, so the reward cannot tell)
+            self.invalid_turns += 1
         out: dict[str, Any] = {
             f"gem/{k}": v
             for k, v in info.items()
@@ -344,7 +357,9 @@ class GemEnv:
             "gem_truncated": bool(truncated),
             "num_turns": self.num_turns,
         }
-        if done and reward == FORMAT_ERROR_REWARD:
+        if before is not None:
+            out["gem_invalid_turns"] = self.invalid_turns
+        if malformed:
             out["error"] = "malformed"
         if done or cut:
             self.done = True
@@ -372,3 +387,31 @@ def make_gem(**options: Any) -> GemEnv:
     config = options_config("gem", options)
     cls = SolvedGemEnv if entry_point(config.env_id) in SOLVERS else GemEnv
     return cls(config)
+
+
+def gem_episode_metrics(infos: Sequence[Mapping[str, Any]], options: Any) -> dict[str, float]:
+    """Evaluation metrics of finished GEM episodes (`sao_megatron.envs.base.episode_metrics`),
+    from each episode's final step info; reported as ``eval/<label>/<metric>``:
+
+    * ``mean_return``: GEM's rewards summed over the episode (success pays 1; Mastermind pays
+      each new black peg / code length; a format error -0.1), mean over episodes.
+    * ``malformed_end_rate``: share of episodes ended by an action GEM could not parse.
+    * ``invalid_action_rate``: turns whose guess GEM parsed but refused (out of range,
+      repeated, wrong length) over all turns, pooled over episodes; only for games that keep
+      ``previous_guesses`` (GuessTheNumber, Mastermind), else absent.
+    `options` change nothing here.
+    """
+    if not infos:
+        return {}
+    out = {
+        "mean_return": sum(float(i.get("gem_return", 0.0)) for i in infos) / len(infos),
+        "malformed_end_rate": sum(i.get("error") == "malformed" for i in infos) / len(infos),
+    }
+    tracked = [i for i in infos if "gem_invalid_turns" in i]
+    turns = sum(int(i.get("num_turns", 0)) for i in tracked)
+    if tracked and turns:
+        out["invalid_action_rate"] = sum(int(i["gem_invalid_turns"]) for i in tracked) / turns
+    return out
+
+
+register_episode_metrics("gem", gem_episode_metrics)

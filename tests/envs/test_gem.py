@@ -177,6 +177,38 @@ def test_gems_turn_limit_is_terminal_and_not_a_success():
     assert last.info["success"] is False
 
 
+def test_invalid_and_malformed_actions_are_counted_in_the_evaluation_metrics():
+    """GuessTheNumber: a guess out of range and a repeated guess are parsed but refused (GEM's
+    invalid_action_reward is 0, like a valid step's), so they are counted from the game's
+    previous_guesses; an unparsable reply ends the episode (malformed). The evaluation metrics
+    pool the invalid turns over all turns of the episodes."""
+    from sao_megatron.envs.base import episode_metrics
+
+    env = make_env("gem", env_id=GUESS)
+    env.reset(5)
+    secret = env.game.game_number
+    wrong = 1 if secret != 1 else 2
+    steps = [env.step(a) for a in (f"\\boxed{{{wrong}}}", "\\boxed{11}", f"\\boxed{{{wrong}}}")]
+    assert [r.info["gem_invalid_turns"] for r in steps] == [0, 1, 2]
+    assert [r.reward for r in steps] == [0.0, 0.0, 0.0] and not any(r.done for r in steps)
+    malformed = env.step("I think it is five")
+    assert malformed.done and malformed.info["error"] == "malformed"
+    assert malformed.info["gem_invalid_turns"] == 2 and malformed.info["num_turns"] == 4
+    env.reset(6)
+    won = env.step(f"\\boxed{{{env.game.game_number}}}")
+    assert won.info["success"] and won.info["gem_invalid_turns"] == 0
+    m = episode_metrics(EnvSpec(name="gem", options={"env_id": GUESS}), [malformed.info, won.info])
+    assert m == {
+        "mean_return": pytest.approx((-0.1 + 1.0) / 2),
+        "malformed_end_rate": 0.5,
+        "invalid_action_rate": pytest.approx(2 / 5),  # 2 of the 4 + 1 turns
+    }
+    master = make_env("gem", env_id=MASTERMIND)
+    master.reset(1)
+    r = master.step("\\boxed{1 2 3}")  # a code has 2 digits here: wrong length, refused
+    assert not r.done and r.info["gem_invalid_turns"] == 1
+
+
 def test_same_seed_same_game_and_the_global_rng_is_left_alone():
     random.seed(11)
     np.random.seed(11)
