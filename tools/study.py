@@ -6,6 +6,7 @@ run by one command that can be interrupted at any point and picked up later.
     python tools/study.py examples/studies/quickstart_bounds.yaml --report   # tables and plots
     python tools/study.py STUDY.yaml --only 'sao*' --max-cells 2             # a part of it
     python tools/study.py STUDY.yaml --shared                                # shared stages only
+    python tools/study.py STUDY.yaml --stop      # the running study saves and ends (resumable)
 
 The study file (YAML) names the job config, the RL steps and evaluation every cell shares, the
 algorithms, the variants (ablations) and the seeds; each cell is one run folder
@@ -50,6 +51,16 @@ from sao_megatron.trainer.metrics import read_metrics
 
 DONE = "study_done.json"
 CELL = "cell.json"
+#: `<out>/stop`: `--stop` creates it; every job of the study gets it as its SAO_STOP_FILE
+#: (sao_megatron.trainer.signals: the trainer saves after its current step, renames the file
+#: to `stop.consumed` and exits 0), and the runner starts nothing after it
+STOP = "stop"
+#: `<out>/runner.json`: the running study's pid and current job (removed when it exits)
+RUNNER = "runner.json"
+
+
+class StudyStopped(Exception):  # noqa: N818 - a control-flow outcome, not an error
+    """The study was stopped with --stop: the running job saved and exited; nothing else runs."""
 
 
 # ---------------------------------------------------------------------------- the study file
@@ -286,7 +297,34 @@ def _command(study: Study, run_dir: Path, overrides: list[str]) -> list[str]:
     ]
 
 
-def _attempt(run_dir: Path, cmd: list[str], what: str) -> int:
+def _runner_state(study: Study, job: dict | None = None) -> None:
+    """Write `<out>/runner.json` (this process and its current job), read by --stop."""
+    out = Path(study.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RUNNER).write_text(json.dumps({"pid": os.getpid(), **(job or {})}))
+
+
+def stop_study(study: Study) -> str:
+    """Ask the running study to stop (`--stop`): its job saves after the current step and
+    exits, and the runner starts nothing more. Returns what was done; raises SystemExit when
+    no runner of this study is alive."""
+    state_file = Path(study.out) / RUNNER
+    try:
+        runner = json.loads(state_file.read_text())
+        os.kill(int(runner["pid"]), 0)  # alive?
+    except (FileNotFoundError, ProcessLookupError, ValueError, KeyError):
+        raise SystemExit(
+            f"{study.name}: no running study ({state_file} names no live process)"
+        ) from None
+    (Path(study.out) / STOP).touch()
+    job = runner.get("job", "no job yet")
+    return (
+        f"{study.name}: stop asked (runner pid {runner['pid']}, running {job}); the job saves "
+        "after its current step and exits, then the runner ends"
+    )
+
+
+def _attempt(study: Study, run_dir: Path, cmd: list[str], what: str) -> int:
     """Run `cmd` once into run_dir (log appended to run_dir/job.log), recording the attempt's
     provenance in run_dir/cell.json; returns its exit code."""
     record = json.loads((run_dir / CELL).read_text())
@@ -301,19 +339,34 @@ def _attempt(run_dir: Path, cmd: list[str], what: str) -> int:
     (run_dir / CELL).write_text(json.dumps(record, indent=1))
     print(f"[study] {what}: {' '.join(cmd)}", flush=True)
     t0 = time.perf_counter()
+    stop = Path(study.out) / STOP
+    consumed = stop.with_name(STOP + ".consumed")
+    env = os.environ | {"SAO_STOP_FILE": str(stop.resolve())}
     with open(run_dir / "job.log", "a") as log:
         log.write(f"\n===== study attempt {len(record['attempts'])}, {attempt['start_utc']} UTC\n")
         log.flush()
-        rc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
+        job = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+        _runner_state(study, {"job_pid": job.pid, "job": what, "run_dir": str(run_dir)})
+        rc = job.wait()
+    stopped = consumed.exists() or stop.exists()  # asked during the job (or as it ended)
+    if stopped:
+        consumed.unlink(missing_ok=True)
+        stop.unlink(missing_ok=True)
     attempt |= {
         "end_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
         "wall_s": round(time.perf_counter() - t0, 1),
         "loadavg_end": os.getloadavg()[0],
         "exit_code": rc,
         "rl_steps_after": _rl_steps_done(run_dir),
+        "stopped": stopped,
     }
     (run_dir / CELL).write_text(json.dumps(record, indent=1))
     print(f"[study]   exit {rc} after {attempt['wall_s']:.0f} s", flush=True)
+    if stopped:
+        raise StudyStopped(
+            f"{what}: stopped with --stop at RL step {attempt['rl_steps_after']} (its last "
+            "checkpoint is kept); rerun the study to continue"
+        )
     return rc
 
 
@@ -352,14 +405,21 @@ def _run_folder(
         if prepare is not None:
             prepare(run_dir)
         (run_dir / CELL).write_text(json.dumps({**spec, "command": cmd, "attempts": []}, indent=1))
-    rc = _attempt(run_dir, cmd, what)
+    rc = _attempt(study, run_dir, cmd, what)
     if rc != 0:
         tail = "\n".join((run_dir / "job.log").read_text().splitlines()[-30:])
         raise RuntimeError(
             f"{what} failed (exit {rc}); rerun the study to resume it. Log "
             f"{run_dir / 'job.log'}:\n{tail}"
         )
-    (run_dir / DONE).write_text(json.dumps({"rl_steps": _rl_steps_done(run_dir)}))
+    steps = _rl_steps_done(run_dir)
+    if not shared and steps < study.rl_steps:
+        raise RuntimeError(
+            f"{what} exited 0 at RL step {steps} of {study.rl_steps} without --stop (a signal "
+            "to the job?): not marked done; rerun the study to resume it. Log "
+            f"{run_dir / 'job.log'}"
+        )
+    (run_dir / DONE).write_text(json.dumps({"rl_steps": steps}))
 
 
 def _shared_dirs(study: Study) -> tuple[Path, Path]:
@@ -407,6 +467,9 @@ def run(study: Study, todo: list[Cell], selected: list[Cell] | None = None) -> N
             shared=True,
         )
     for i, cell in enumerate(todo, 1):
+        if (Path(study.out) / STOP).exists():  # asked between two jobs
+            (Path(study.out) / STOP).unlink()
+            raise StudyStopped(f"stopped with --stop before cell {i}/{len(todo)} {cell.name}")
 
         def prepare(run_dir: Path, cell=cell) -> None:
             if study.shared_sft:
@@ -815,6 +878,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--max-cells", type=int, default=0, help="run at most this many cells")
     ap.add_argument(
+        "--stop",
+        action="store_true",
+        help="ask this study's running runner to stop: its job saves after the current step "
+        "and exits (resumable), and no other job starts",
+    )
+    ap.add_argument(
         "--shared",
         action="store_true",
         help="run only the shared stages (SFT, value pre-training) the selected cells need",
@@ -824,6 +893,9 @@ def main(argv: list[str] | None = None) -> int:
     all_cells = cells(study)
     if args.plan:
         print(plan_text(study, all_cells))
+        return 0
+    if args.stop:
+        print(stop_study(study))
         return 0
     if args.report:
         figs = [figures(c) for c in all_cells]
@@ -844,7 +916,16 @@ def main(argv: list[str] | None = None) -> int:
         todo = todo[: args.max_cells]
     print(f"[study] {study.name}: {len(todo)} cell(s) to run of {len(all_cells)}", flush=True)
     selected = [c for c in all_cells if fnmatch.fnmatch(c.name, args.only)]
-    run(study, [] if args.shared else todo, selected)
+    out = Path(study.out)
+    for stale in (out / STOP, out / (STOP + ".consumed")):  # a --stop no runner took
+        stale.unlink(missing_ok=True)
+    _runner_state(study)
+    try:
+        run(study, [] if args.shared else todo, selected)
+    except StudyStopped as e:
+        print(f"[study] {e}", flush=True)
+    finally:
+        (out / RUNNER).unlink(missing_ok=True)
     return 0
 
 

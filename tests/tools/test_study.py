@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -65,6 +66,14 @@ for step in range(start + 1, steps + 1):
                             "value/explained_variance_before": 0.2 if sao else None}) + "\n")
     if die_at and step == die_at:
         sys.exit(3)
+    if int(os.environ.get("FAKE_STOP_AT", "0")) == step:  # --stop arrives during this step
+        Path(os.environ["SAO_STOP_FILE"]).touch()
+    stop = Path(os.environ["SAO_STOP_FILE"])
+    if stop.exists():  # the trainer: saved after this step, the file consumed, exit 0
+        stop.replace(stop.with_name(stop.name + ".consumed"))
+        sys.exit(0)
+    if int(os.environ.get("FAKE_EXIT0_AT", "0")) == step:
+        sys.exit(0)
 with open(rl / "eval.jsonl", "a") as f:
     final = (0.5 if sao else 0.3) + 0.01 * seed
     last = {"step": steps, "eval/success_rate": final, "eval/turns": 3.0 + seed}
@@ -372,3 +381,36 @@ def test_a_study_starts_from_another_studys_shared_stages(study, tmp_path):
     other.write_text(other.read_text() + "overrides: [rollout.max_staleness=4]\n")
     with pytest.raises(RuntimeError, match="shared SFT.*holds another job"):
         study_mod.main([str(other), "--only", "grpo/seed0"])
+
+
+def test_stop_saves_the_running_job_and_starts_nothing_more(study, monkeypatch):
+    """--stop: the job gets the study's stop file (SAO_STOP_FILE), saves after its step and
+    exits 0; the runner marks the cell not done, starts no other job and cleans up; a rerun
+    resumes the cell. A job that exits 0 short of rl_steps without a stop is not done either."""
+    path, out, jobs = study
+    st = study_mod.load_study(path)
+    with pytest.raises(SystemExit, match="no running study"):
+        study_mod.stop_study(st)
+    monkeypatch.setenv("FAKE_STOP_AT", "3")
+    assert study_mod.main([str(path)]) == 0
+    assert [j["stages"] for j in jobs()] == ["[sft]", "[value_pretrain]", "[rl]"]
+    cell = json.loads((out / "sao" / "seed0" / "cell.json").read_text())
+    assert cell["attempts"][-1]["stopped"] and cell["attempts"][-1]["rl_steps_after"] == 3
+    assert not (out / "sao" / "seed0" / "study_done.json").exists()
+    assert sorted(p.name for p in out.iterdir()) == ["_shared", "sao"]  # no stop, runner files
+    monkeypatch.delenv("FAKE_STOP_AT")
+    monkeypatch.setenv("FAKE_EXIT0_AT", "1")
+    with pytest.raises(RuntimeError, match=r"cell 1/1 grpo/seed0 exited 0 at RL step 1 of 4 "):
+        study_mod.main([str(path), "--only", "grpo/seed0"])
+    assert not (out / "grpo" / "seed0" / "study_done.json").exists()
+    monkeypatch.delenv("FAKE_EXIT0_AT")
+    assert study_mod.main([str(path)]) == 0
+    cell = json.loads((out / "sao" / "seed0" / "cell.json").read_text())
+    assert [(a["rl_steps_before"], a["stopped"]) for a in cell["attempts"]] == [
+        (0, True),
+        (3, False),
+    ]
+    assert all((c.run_dir / "study_done.json").exists() for c in study_mod.cells(st))
+    # a live runner (this process stands in for it): --stop leaves the file the job reads
+    (out / "runner.json").write_text(json.dumps({"pid": os.getpid(), "job": "cell 1/1 x"}))
+    assert "stop asked" in study_mod.stop_study(st) and (out / "stop").exists()
