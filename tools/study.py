@@ -667,12 +667,15 @@ def figures(cell: Cell) -> CellFigures:
         from bench_stability import collapsed as collapse_rule
 
         collapsed = collapse_rule(rewards, entropies)
+    after = ep[-1][1] if st == "done" and len(ep) > 1 else None
+    if st == "done" and before is not None and after is not None and after < before / 2:
+        collapsed = True  # held-out success halved: a collapse whatever the batch signals say
     return CellFigures(
         cell=cell,
         state=st,
         steps=int(recs[-1]["step"]),
         before=before,
-        after=ep[-1][1] if st == "done" and len(ep) > 1 else None,
+        after=after,
         episodes=ep,
         walls=wall,
         wall_s=clock[-1],
@@ -710,6 +713,32 @@ def _mse(xs: list[float | None]) -> str:
     return f"{100 * m:.1f}%" + (f" ± {100 * se:.1f}" if n > 1 else "") + f" (n={n})"
 
 
+def provenance_line(figs: list[CellFigures]) -> str:
+    """Where and when the cells ran: this machine, the UTC span and the commits of their
+    attempts (cell.json), and whether any attempt ran on a dirty tree."""
+    import torch
+
+    attempts = []
+    for f in figs:
+        if f.state != "missing" and (f.cell.run_dir / CELL).exists():
+            attempts += json.loads((f.cell.run_dir / CELL).read_text())["attempts"]
+    starts = sorted(a["start_utc"] for a in attempts if a.get("start_utc"))
+    ends = sorted(a["end_utc"] for a in attempts if a.get("end_utc"))
+    commits = sorted({a["commit"] for a in attempts if a.get("commit")})
+    dirty = any(a.get("dirty") for a in attempts)
+    machine = (
+        f"Machine: `nproc` = {os.cpu_count()}, CPU '{benchlib.cpu_model()}', torch "
+        f"{torch.__version__}."
+    )
+    if not attempts:
+        return machine + " No cell has run yet."
+    return (
+        f"{machine} Cells ran {starts[0]} - {ends[-1] if ends else '(running)'} UTC at commit(s) "
+        f"{', '.join(commits)}{' (an attempt on a tree with uncommitted changes)' if dirty else ''}"
+        "; per-cell load averages below."
+    )
+
+
 def report_text(study: Study, figs: list[CellFigures], plot_rel: str | None) -> str:
     """The study's markdown: the matrix by group over seeds, then one row per cell."""
     groups: dict[str, list[CellFigures]] = {}
@@ -720,9 +749,12 @@ def report_text(study: Study, figs: list[CellFigures], plot_rel: str | None) -> 
         f"Study file `{study.name}`: `python tools/study.py STUDY.yaml` runs it (resumable), "
         f"`--report` regenerates this section. Config `{study.config}`, {study.rl_steps} RL "
         f"steps a cell, {study.num_eval_tasks} held-out tasks; {done} of {len(figs)} cells "
-        "done. Mean ± standard error over the finished seeds; 'collapsed': the rule of "
-        "tools/bench_stability.py (last-quarter batch reward below half the best 10-update "
-        "mean and entropy moved > 50%).",
+        "done. Mean ± standard error over the finished seeds; 'collapsed': held-out success "
+        "after RL below half its value before, or the rule of tools/bench_stability.py "
+        "(last-quarter batch reward below half the best 10-update mean and entropy moved > "
+        "50%).",
+        "",
+        provenance_line(figs),
         "",
         "| algorithm + variant | seeds done | held-out before | held-out after | after - before "
         "| collapsed | critic EV during RL |",

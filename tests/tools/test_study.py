@@ -199,6 +199,8 @@ def test_report_marks_missing_and_unfinished_cells_and_plan_prices_them(study, m
     text = study_mod.report_text(st, figs, "img/x.png")
     rows = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| ")}
     assert "| sao/seed1 | unfinished (step 2) | 2 of 4 |" in text
+    commit = json.loads((out / "sao" / "seed0" / "cell.json").read_text())["attempts"][0]["commit"]
+    assert f"UTC at commit(s) {commit}" in text and "; per-cell load averages below." in text
     assert "| grpo/seed1 | missing | 0 of 4 | - -> - |" in text
     assert rows["sao"] == "| sao | 1 of 2 | 10.0% (n=1) | 50.0% (n=1) | +40.0 | 0 of 1 | 0.20 |"
     assert rows["grpo"] == "| grpo | 1 of 2 | 10.0% (n=1) | 30.0% (n=1) | +20.0 | 0 of 1 | - |"
@@ -266,6 +268,18 @@ def test_a_finished_cell_that_collapsed_is_flagged(study):
 
     assert write([0.5] * 40, [0.1] * 40) is False
     assert write([0.5] * 20 + [0.0] * 20, [0.1] * 20 + [0.01] * 20) is True
+
+    # steady batch signals, but held-out success halved (0.89 -> 0.40): a collapse too; 0.89 ->
+    # 0.50 is not
+    def held_out(after):
+        evals = [{"step": 0, "eval/success_rate": 0.89}, {"step": 40, "eval/success_rate": after}]
+        (cell.run_dir / "rl" / "eval.jsonl").write_text(
+            "".join(json.dumps(e) + "\n" for e in evals)
+        )
+        return write([0.5] * 40, [0.1] * 40)
+
+    assert held_out(0.40) is True
+    assert held_out(0.50) is False
 
 
 def test_plan_of_a_study_not_started_prices_cells_from_the_hints(study):
