@@ -906,7 +906,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--only",
         default="*",
-        help="run only cells whose name ('sao+variant/seed0') matches this glob",
+        help="run only cells whose name ('sao+variant/seed0') matches one of these globs "
+        "(comma-separated: 'grpo*,sao+k1/*')",
     )
     ap.add_argument("--max-cells", type=int, default=0, help="run at most this many cells")
     ap.add_argument(
@@ -943,11 +944,16 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"{args.study}: --write needs `section` (a BENCHMARKS heading)")
             benchlib.write_section(study.section, text + "\n\n" + benchlib.READING)
         return 0
-    todo = [c for c in all_cells if fnmatch.fnmatch(c.name, args.only) and state(c) != "done"]
+    globs = [g for g in args.only.split(",") if g]
+
+    def chosen(c: Cell) -> bool:
+        return any(fnmatch.fnmatch(c.name, g) for g in globs)
+
+    todo = [c for c in all_cells if chosen(c) and state(c) != "done"]
     if args.max_cells:
         todo = todo[: args.max_cells]
     print(f"[study] {study.name}: {len(todo)} cell(s) to run of {len(all_cells)}", flush=True)
-    selected = [c for c in all_cells if fnmatch.fnmatch(c.name, args.only)]
+    selected = [c for c in all_cells if chosen(c)]
     out = Path(study.out)
     for stale in (out / STOP, out / (STOP + ".consumed")):  # a --stop no runner took
         stale.unlink(missing_ok=True)

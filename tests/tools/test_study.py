@@ -183,6 +183,8 @@ def test_a_changed_cell_is_refused_and_only_selects_cells(study, monkeypatch):
     assert [j["run_dir"] for j in jobs()][-1] == str(out / "grpo" / "seed0")
     assert not (out / "_shared" / "value_pretrain").exists()  # no SAO cell selected
     monkeypatch.delenv("FAKE_DIE_AT")
+    assert study_mod.main([str(path), "--only", "nothing*,grpo/seed1"]) == 0  # several globs
+    assert [j["run_dir"] for j in jobs()][-1] == str(out / "grpo" / "seed1")
     path.write_text(path.read_text().replace("rl_steps: 4", "rl_steps: 6"))
     with pytest.raises(RuntimeError, match=r"grpo/seed0.*holds another job.*delete the folder"):
         study_mod.main([str(path), "--only", "grpo/*", "--max-cells", "1"])
