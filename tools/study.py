@@ -492,6 +492,12 @@ HORIZON = "horizon_eval.json"
 START = "the RL start"
 
 
+def _start_horizon_file(study: Study) -> Path:
+    """Where the RL start's horizon evaluation is saved (the study's own `_shared`, also when
+    its shared stages come from another study)."""
+    return Path(study.out) / "_shared" / HORIZON
+
+
 def wants_horizon_eval(study: Study, cell: Cell) -> bool:
     """Whether `study.horizon_eval` covers the cell's group."""
     h = study.horizon_eval
@@ -543,8 +549,7 @@ def evaluate_horizons(study: Study, all_cells: list[Cell], evaluate=None) -> Non
     ]
     start = _start_policy(study, all_cells)
     if start is not None:
-        shared = Path(study.out) / "_shared"
-        todo.insert(0, (start, shared / HORIZON, START, start.parent))
+        todo.insert(0, (start, _start_horizon_file(study), START, start.parent))
     for hf, out, what, run_dir in todo:
         if horizon_result(out, study) is not None:
             continue
@@ -575,7 +580,7 @@ def horizon_table(study: Study, all_cells: list[Cell]) -> str:
     from eval_horizon import render_over_seeds
 
     results: dict[str, dict[int, dict[str, float]]] = {}
-    start = horizon_result(Path(study.out) / "_shared" / HORIZON, study)
+    start = horizon_result(_start_horizon_file(study), study)
     if start is not None:
         results[START] = start
     missing = []
@@ -882,7 +887,7 @@ def plan_text(study: Study, all_cells: list[Cell]) -> str:
         lines.append(f"{f.cell.name:40s} {f.state:11s} step {f.steps:4d}/{study.rl_steps}  {est}")
     lines.append(f"left: ~{left / 3600:.1f} h of RL (measured rates, else the study's hints)")
     if study.horizon_eval is not None:
-        paths = [Path(study.out) / "_shared" / HORIZON]
+        paths = [_start_horizon_file(study)]
         paths += [c.run_dir / HORIZON for c in all_cells if wants_horizon_eval(study, c)]
         walls = [json.loads(x.read_text())["wall_s"] for x in paths if horizon_result(x, study)]
         n = sum(horizon_result(x, study) is None for x in paths)
