@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from sao_megatron.models.tiny import TINY_MOE_FIELDS
-from sao_megatron.net import free_port
+from sao_megatron.net import with_free_port
 
 
 def tiny_moe_kwargs() -> dict:
@@ -120,11 +120,14 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> 
 def launch(fn: Callable, world_size: int, *args) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes with torchrun-style
     env vars (so ``initialize_parallel`` uses env://, gloo). ``fn`` must be importable (a
-    module-level function). Raises if any rank fails (its traceback is printed)."""
-    mp.start_processes(
-        _entry,
-        args=(world_size, free_port(), fn, args),
-        nprocs=world_size,
-        join=True,
-        start_method="spawn",
+    module-level function). Raises if any rank fails (its traceback is printed). Starts again on
+    a new port when the rendezvous port was taken before rank 0 bound it (`with_free_port`)."""
+    with_free_port(
+        lambda port: mp.start_processes(
+            _entry,
+            args=(world_size, port, fn, args),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
+        )
     )

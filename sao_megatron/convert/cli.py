@@ -9,7 +9,7 @@ import re
 import sys
 from collections.abc import Sequence
 
-from sao_megatron.net import free_port
+from sao_megatron.net import with_free_port
 
 _EPILOG = """\
 examples:
@@ -211,11 +211,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         import torch.multiprocessing as mp
 
         print(f"starting {world} local processes (tp={args.tp} pp={args.pp} ep={args.ep})")
-        mp.start_processes(
-            _hf_to_megatron_rank,
-            args=(args, world, free_port()),
-            nprocs=world,
-            start_method="spawn",
+        with_free_port(
+            lambda port: mp.start_processes(
+                _hf_to_megatron_rank, args=(args, world, port), nprocs=world, start_method="spawn"
+            )
         )
         return 0
     except (ValueError, FileNotFoundError, FileExistsError) as exc:

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from sao_megatron.net import free_port
 from sao_megatron.parallel.config import ParallelConfig
 from sao_megatron.platform import Platform, setup_platform
 
@@ -79,11 +78,9 @@ def _init_torch_distributed(platform: Platform) -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend=platform.backend)  # env:// from torchrun
     else:
+        # a 1-rank world needs no rendezvous: an in-memory store, no port to race for
         dist.init_process_group(
-            backend=platform.backend,
-            init_method=f"tcp://127.0.0.1:{free_port()}",
-            rank=0,
-            world_size=1,
+            backend=platform.backend, store=dist.HashStore(), rank=0, world_size=1
         )
 
 

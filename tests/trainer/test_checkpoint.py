@@ -20,9 +20,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from sao_megatron.net import free_port
 from sao_megatron.trainer import checkpoint as ckpt
 from sao_megatron.trainer.checkpoint import (
     CheckpointConfig,
@@ -31,6 +29,7 @@ from sao_megatron.trainer.checkpoint import (
     CommonState,
 )
 from sao_megatron.trainer.checkpoint import io as ckpt_io
+from tests.conftest import launch
 
 HIDDEN, FFN = 8, 12
 
@@ -100,15 +99,18 @@ def _build_model(tp: int, seed: int | None, ffn: int = FFN):
     return model
 
 
-def _init_world(rank: int, world: int, port: int, tp: int) -> None:
+def _init_world(world: int, tp: int) -> None:
+    """Megatron's model-parallel state at ``tp`` on the torch.distributed world (made here when
+    absent: 1 rank on an in-memory store; `launch` made the 2-rank one from its env vars)."""
     from megatron.core import parallel_state as ps
 
     from sao_megatron.platform import enable_cpu_compat
 
     if not dist.is_initialized():
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-        )
+        if world == 1:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            dist.init_process_group("gloo")  # env:// from `launch`
     enable_cpu_compat()
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
@@ -122,7 +124,7 @@ def one_rank():
     from sao_megatron.platform import disable_cpu_compat
 
     owned = not dist.is_initialized()
-    _init_world(0, 1, free_port(), tp=1)
+    _init_world(1, tp=1)
     yield
     ps.destroy_model_parallel()
     disable_cpu_compat()
@@ -460,61 +462,39 @@ def test_stateful_objects_round_trip_by_name(one_rank, tmp_path, caplog):
 
 
 # ---------------------------------------------------------------- two ranks -----------------------
-def _two_rank_worker(rank: int, port: int, root: str, errors) -> None:
-    try:
-        from megatron.core import parallel_state as ps
+def _two_rank_worker(rank: int, world: int, root: str) -> None:
+    from megatron.core import parallel_state as ps
 
-        mgr = CheckpointManager(CheckpointConfig(save_dir=root))
-        _init_world(rank, 2, port, tp=2)  # save with TP=2
-        model = _build_model(2, seed=7)
-        torch.manual_seed(100 + rank)
-        mgr.save(
-            {"policy": model.sharded_state_dict()},
-            CommonState(train_step=5),
-            layout={"tp": 2, "dp": 1},
-        )
-        after_save = torch.rand(3)
-        _init_world(rank, 2, port, tp=1)  # load with TP=1, DP=2: every rank holds full weights
-        full = _build_model(1, None)
-        torch.manual_seed(0)
-        result = mgr.load(mgr.resolve_resume(), {"policy": full.sharded_state_dict()})
-        for name, ref in _full_weights(7).items():
-            torch.testing.assert_close(dict(full.named_parameters())[name], ref, rtol=0, atol=0)
-        assert result.rng_restored and torch.equal(torch.rand(3), after_save)  # per-rank RNG
-        assert result.manifest["layout"] == {"tp": 2, "dp": 1}
-        mgr.save({"policy": full.sharded_state_dict()}, CommonState(train_step=6))
-        _init_world(rank, 2, port, tp=2)  # and back: TP=1 (DP=2) checkpoint -> TP=2 shards
-        shard = _build_model(2, None)
-        mgr.load(mgr.resolve_resume(), {"policy": shard.sharded_state_dict()})
-        for name, ref in _shard(_full_weights(7), ps.get_tensor_model_parallel_rank(), 2).items():
-            torch.testing.assert_close(dict(shard.named_parameters())[name], ref, rtol=0, atol=0)
-        ps.destroy_model_parallel()
-        dist.destroy_process_group()
-    except BaseException as exc:  # report to the parent, which fails the test
-        errors.put(f"rank {rank}: {type(exc).__name__}: {exc}")
-        raise
+    mgr = CheckpointManager(CheckpointConfig(save_dir=root))
+    _init_world(world, tp=2)  # save with TP=2
+    model = _build_model(2, seed=7)
+    torch.manual_seed(100 + rank)
+    mgr.save(
+        {"policy": model.sharded_state_dict()},
+        CommonState(train_step=5),
+        layout={"tp": 2, "dp": 1},
+    )
+    after_save = torch.rand(3)
+    _init_world(world, tp=1)  # load with TP=1, DP=2: every rank holds full weights
+    full = _build_model(1, None)
+    torch.manual_seed(0)
+    result = mgr.load(mgr.resolve_resume(), {"policy": full.sharded_state_dict()})
+    for name, ref in _full_weights(7).items():
+        torch.testing.assert_close(dict(full.named_parameters())[name], ref, rtol=0, atol=0)
+    assert result.rng_restored and torch.equal(torch.rand(3), after_save)  # per-rank RNG
+    assert result.manifest["layout"] == {"tp": 2, "dp": 1}
+    mgr.save({"policy": full.sharded_state_dict()}, CommonState(train_step=6))
+    _init_world(world, tp=2)  # and back: TP=1 (DP=2) checkpoint -> TP=2 shards
+    shard = _build_model(2, None)
+    mgr.load(mgr.resolve_resume(), {"policy": shard.sharded_state_dict()})
+    for name, ref in _shard(_full_weights(7), ps.get_tensor_model_parallel_rank(), 2).items():
+        torch.testing.assert_close(dict(shard.named_parameters())[name], ref, rtol=0, atol=0)
+    ps.destroy_model_parallel()
 
 
 @pytest.mark.distributed
 def test_two_ranks_resharded_load(tmp_path):
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_two_rank_worker, args=(r, port, str(tmp_path), errors)) for r in (0, 1)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    messages = []
-    while not errors.empty():
-        messages.append(errors.get())
-    assert not alive, f"ranks hung: {messages}"
-    assert not messages and all(p.exitcode == 0 for p in procs), messages
+    launch(_two_rank_worker, 2, str(tmp_path))  # a rank's failure fails the test
     assert sorted(os.listdir(tmp_path)) == ["latest", "step_00000005", "step_00000006"]
 
 
