@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,22 +19,59 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from sao_megatron.optim.config import OptimizerConfig, PrecisionConfig
 from sao_megatron.parallel.state import ParallelState
 
+logger = logging.getLogger(__name__)
+
+#: the schedule's shape in Megatron's state dict: (key, the `OptimizerConfig` field that sets it)
+SCHEDULE_FIELDS = (
+    ("max_lr", "lr"),
+    ("min_lr", "min_lr"),
+    ("lr_warmup_steps", "warmup_steps"),
+    ("lr_decay_steps", "warmup_steps + decay_steps"),
+    ("lr_decay_style", "decay_style"),
+)
+
 
 class LRScheduler(OptimizerParamScheduler):
-    """Megatron's ``OptimizerParamScheduler`` whose ``load_state_dict`` restores the saved step
-    count instead of adding it to the current one.
+    """Megatron's ``OptimizerParamScheduler`` that, on loading, keeps the schedule this job was
+    configured with and takes only the position in it (the number of updates) from the saved one.
 
-    Megatron's ``load_state_dict`` calls ``self.step(increment=saved num_steps)``: it assumes a
-    scheduler at step 0. `build_optimizer` steps the schedule once at construction while warm-up
-    is active (so update k uses lr*k/warmup), so the added count put every resumed run one step
-    ahead (warm-up 10, peak 1e-3: lr 5e-4 instead of 4e-4 at update 4 after resuming at 3).
-    Resetting the count first makes loading set it, whatever the freshly built state was.
+    Two departures from Megatron's ``load_state_dict``:
+
+    - **The count is set, not added.** Megatron's calls ``self.step(increment=saved num_steps)``,
+      which assumes a scheduler at step 0. `build_optimizer` steps the schedule once at
+      construction while warm-up is active (so update k uses lr*k/warmup), so the added count put
+      every resumed run one step ahead (warm-up 10, peak 1e-3: lr 5e-4 instead of 4e-4 at update
+      4 after resuming at 3). The saved count is read as updates done (less the construction
+      step when the saved schedule had a warm-up), and this schedule is placed after as many.
+    - **The configured shape wins.** With Megatron's defaults the saved warm-up, decay and style
+      replaced the configured ones, while the peak and floor lr came from the optimiser's param
+      groups, i.e. from the config: a job resumed with a changed ``warmup_steps`` silently kept
+      the old warm-up while a changed ``lr`` took effect. Here every field of the shape
+      (`SCHEDULE_FIELDS`) comes from the config, and each that differs from the checkpoint's is
+      logged at WARNING (``resumed LR schedule: lr_warmup_steps 0 in the checkpoint -> 20 from
+      the config``), so a resumed job says which schedule it uses.
     """
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Set the schedule to the saved one (max/min lr, warm-up, decay, and step count)."""
+        """Resume this schedule after the saved number of updates (see the class docstring).
+
+        Args:
+            state_dict: what ``state_dict()`` returned (Megatron's keys: ``max_lr``,
+                ``lr_warmup_steps``, ``num_steps``, ...).
+        """
+        changed = [
+            f"{key} {state_dict[key]} in the checkpoint -> {getattr(self, key)} from the config"
+            for key, _ in SCHEDULE_FIELDS
+            if key in state_dict and state_dict[key] != getattr(self, key)
+        ]
+        if changed:
+            logger.warning("resumed LR schedule: %s", "; ".join(changed))
+        updates = state_dict["num_steps"] - (1 if state_dict.get("lr_warmup_steps", 0) > 0 else 0)
         self.num_steps = 0
-        super().load_state_dict(state_dict)
+        self.override_opt_param_scheduler = True  # Megatron's switch: the configured values win
+        super().load_state_dict(
+            {**state_dict, "num_steps": updates + (1 if self.lr_warmup_steps > 0 else 0)}
+        )
 
 
 @dataclass
@@ -47,7 +85,8 @@ class TrainState:
             params); ``step() -> (update_successful, grad_norm, num_zeros)``.
         scheduler: `LRScheduler` (Megatron ``OptimizerParamScheduler``); ``step()`` calls
             ``scheduler.step(1)`` after each successful update. Stateful: its ``state_dict()``
-            / ``load_state_dict()`` round-trip the schedule exactly (checkpoint it by name).
+            / ``load_state_dict()`` round-trip the schedule exactly (checkpoint it by name); a
+            changed schedule in the config wins on loading and is logged.
     """
 
     model: list[DistributedDataParallel]

@@ -46,3 +46,40 @@ def test_scheduler_load_sets_the_saved_step_count(parallel_1rank, tiny_moe):
     assert b.optimizer.param_groups[0]["lr"] == pytest.approx(4e-4, rel=1e-12)
     b.scheduler.load_state_dict(saved)  # idempotent
     assert b.scheduler.num_steps == 4
+
+
+@pytest.mark.parametrize(
+    ("saved_warmup", "new_warmup", "new_lr", "lr_at_update_4"),
+    [
+        (0, 20, 1e-3, 4e-3 / 20),  # a warm-up added on resume: update 4 of 20
+        (10, 0, 1e-3, 1e-3),  # the warm-up dropped: the peak at once
+        (10, 10, 5e-4, 5e-4 * 4 / 10),  # only the peak changed
+    ],
+)
+def test_resumed_schedule_is_the_configured_one_at_the_saved_position(
+    parallel_1rank, tiny_moe, caplog, saved_warmup, new_warmup, new_lr, lr_at_update_4
+):
+    """A job resumed with a changed schedule uses the configured warm-up and lr (both, not the
+    checkpoint's warm-up with the config's lr) after the saved number of updates (3), and logs
+    each field that changed."""
+    from sao_megatron.models import build_policy
+
+    def build(lr: float, warmup: int):
+        cfg = OptimizerConfig(lr=lr, warmup_steps=warmup, decay_style="constant")
+        return build_optimizer(
+            build_policy(tiny_moe, parallel_1rank), parallel_1rank, cfg, PrecisionConfig()
+        )
+
+    a = build(1e-3, saved_warmup)
+    for _ in range(3):  # 3 updates done
+        a.scheduler.step(increment=1)
+    b = build(new_lr, new_warmup)
+    with caplog.at_level("WARNING", logger="sao_megatron.optim.builder"):
+        b.scheduler.load_state_dict(a.scheduler.state_dict())  # sets update 4's lr
+    assert b.scheduler.lr_warmup_steps == new_warmup and b.scheduler.max_lr == new_lr
+    assert b.optimizer.param_groups[0]["lr"] == pytest.approx(lr_at_update_4, rel=1e-12)
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    if saved_warmup != new_warmup:
+        assert f"lr_warmup_steps {saved_warmup} in the checkpoint -> {new_warmup}" in messages
+    if new_lr != 1e-3:
+        assert f"max_lr 0.001 in the checkpoint -> {new_lr} from the config" in messages
