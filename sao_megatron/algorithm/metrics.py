@@ -10,6 +10,10 @@ all-reduce the sums yourself). With r_t = exp(l_theta_t - l_b_t) and tokens samp
 * ``chi_square``                mean (r - 1)^2             estimate of chi^2(pi_theta || pi_b)
 * ``ess``                       (sum r)^2 / (n sum r^2)    normalised effective sample size
 * ``fraction_dropped``          share of action tokens outside the DIS band
+* ``fraction_dropped_against_advantage``  (with advantages A) share of action tokens outside
+  the band on the side their advantage pushes away from: A > 0 and r <= 1 - eps_low (a good
+  token the policy has since made rarer), A < 0 and r >= 1 + eps_high (a bad token made more
+  likely). DIS gives these no gradient; PPO's clipped objective keeps it and pulls them back.
 * ``version_lag_mean/max``      train_version - policy_version over action tokens
 
 Sources: Schulman 2020, "Approximating KL Divergence" (k1, k3); Kong 1992 / Owen 2013, "Monte
@@ -34,6 +38,7 @@ def off_policy_metrics(
     eps_high: float = 5.0,
     policy_versions: torch.Tensor | None = None,
     train_version: int | None = None,
+    advantages: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """Deviation between trainer and behaviour policy on the batch's action tokens.
 
@@ -43,6 +48,8 @@ def off_policy_metrics(
         eps_low, eps_high: the DIS band used for ``fraction_dropped``.
         policy_versions: [B, T] int64 version that sampled each token (read on action tokens);
             with train_version (the trainer's current version) adds version_lag_mean/max.
+        advantages: [B, T] float A_t (read on action tokens); adds
+            fraction_dropped_against_advantage.
     Returns: dict name -> float (see module docstring), computed in float64.
     """
     mask = action_mask.to(torch.bool)
@@ -61,6 +68,8 @@ def off_policy_metrics(
             ess=nan,
             fraction_dropped=nan,
         )
+        if advantages is not None:
+            out["fraction_dropped_against_advantage"] = nan
     else:
         out["mean_abs_one_minus_ratio"] = float((1.0 - r).abs().mean())
         out["mean_abs_logprob_diff"] = float(lr.abs().mean())
@@ -70,6 +79,10 @@ def off_policy_metrics(
         out["ess"] = float(r.sum() ** 2 / (n * r.pow(2).sum()))
         kept = (r > 1.0 - eps_low) & (r < 1.0 + eps_high)
         out["fraction_dropped"] = float(1.0 - kept.double().mean())
+        if advantages is not None:
+            adv = advantages[mask]
+            against = ((adv > 0) & (r <= 1.0 - eps_low)) | ((adv < 0) & (r >= 1.0 + eps_high))
+            out["fraction_dropped_against_advantage"] = float(against.double().mean())
     if policy_versions is not None:
         if train_version is None:
             raise ValueError("policy_versions given without train_version (the trainer's version)")

@@ -24,6 +24,7 @@ from sao_megatron.trainer.step_state import StepState
 DEVIATION_NAMES = {
     "mean_abs_one_minus_ratio": "deviation/abs_one_minus_ratio_mean",
     "fraction_dropped": "deviation/dropped_fraction",
+    "fraction_dropped_against_advantage": "deviation/dropped_against_advantage_fraction",
 }
 
 
@@ -59,6 +60,7 @@ def policy_metrics(
         eps_high=importance.eps_high,
         policy_versions=versions,
         train_version=state.train_version,
+        advantages=state.advantages,
     )
     out = {DEVIATION_NAMES.get(k, f"deviation/{k}"): v for k, v in dev.items()}
     sums = deviation_cause_sums(

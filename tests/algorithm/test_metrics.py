@@ -19,8 +19,17 @@ def test_off_policy_metrics_match_reference():
     g = torch.Generator().manual_seed(1)
     versions = torch.randint(3, 9, mask.shape, generator=g)
     versions = torch.where(mask, versions, -1)  # -1 off action: must not enter the lag
+    adv = torch.randn(mask.shape, generator=g, dtype=torch.float64)
+    adv = torch.where(mask, adv, 99.0)  # off action: must not count
     got = off_policy_metrics(
-        lp, blp, mask, eps_low=0.3, eps_high=5.0, policy_versions=versions, train_version=10
+        lp,
+        blp,
+        mask,
+        eps_low=0.3,
+        eps_high=5.0,
+        policy_versions=versions,
+        train_version=10,
+        advantages=adv,
     )
     d = [
         float(lp[b, t] - blp[b, t])
@@ -34,8 +43,14 @@ def test_off_policy_metrics_match_reference():
         for t in range(mask.shape[1])
         if mask[b, t]
     ]
+    advs = [
+        float(adv[b, t]) for b in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[b, t]
+    ]
     n = len(d)
     r = [math.exp(x) for x in d]
+    against = sum(
+        1 for x, a in zip(r, advs, strict=True) if (a > 0 and x <= 0.7) or (a < 0 and x >= 6.0)
+    )
     ref = {
         "num_action_tokens": n,
         "mean_abs_one_minus_ratio": sum(abs(1 - x) for x in r) / n,
@@ -47,11 +62,13 @@ def test_off_policy_metrics_match_reference():
         "fraction_dropped": sum(1 for x in r if not (0.7 < x < 6.0)) / n,
         "version_lag_mean": sum(lags) / n,
         "version_lag_max": max(lags),
+        "fraction_dropped_against_advantage": against / n,
     }
     assert set(got) == set(ref)
     for k, v in ref.items():
         assert math.isclose(got[k], v, rel_tol=1e-10, abs_tol=1e-12), k
     assert 0 < got["fraction_dropped"] < 1 and 0 < got["ess"] <= 1
+    assert 0 < got["fraction_dropped_against_advantage"] < got["fraction_dropped"]
 
 
 def test_on_policy_metrics_are_exact():
