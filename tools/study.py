@@ -673,8 +673,11 @@ def figures(cell: Cell) -> CellFigures:
 
         collapsed = collapse_rule(rewards, entropies)
     after = ep[-1][1] if st == "done" and len(ep) > 1 else None
-    if st == "done" and before is not None and after is not None and after < before / 2:
-        collapsed = True  # held-out success halved: a collapse whatever the batch signals say
+    lowest = min((x for _, x in ep[1:]), default=None)  # any evaluation after RL started
+    if st == "done" and before is not None and lowest is not None and lowest < before / 2:
+        # held-out success halved at some evaluation (a recovery after it does not undo it): a
+        # collapse whatever the batch signals say
+        collapsed = True
     return CellFigures(
         cell=cell,
         state=st,
@@ -755,7 +758,7 @@ def report_text(study: Study, figs: list[CellFigures], plot_rel: str | None) -> 
         f"`--report` regenerates this section. Config `{study.config}`, {study.rl_steps} RL "
         f"steps a cell, {study.num_eval_tasks} held-out tasks; {done} of {len(figs)} cells "
         "done. Mean ± standard error over the finished seeds; 'collapsed': held-out success "
-        "after RL below half its value before, or the rule of tools/bench_stability.py "
+        "at any evaluation during or after RL below half its value before, or the rule of tools/bench_stability.py "
         "(last-quarter batch reward below half the best 10-update mean and entropy moved > "
         "50%).",
         "",

@@ -271,10 +271,14 @@ def test_a_finished_cell_that_collapsed_is_flagged(study):
     assert write([0.5] * 40, [0.1] * 40) is False
     assert write([0.5] * 20 + [0.0] * 20, [0.1] * 20 + [0.01] * 20) is True
 
-    # steady batch signals, but held-out success halved (0.89 -> 0.40): a collapse too; 0.89 ->
-    # 0.50 is not
-    def held_out(after):
-        evals = [{"step": 0, "eval/success_rate": 0.89}, {"step": 40, "eval/success_rate": after}]
+    # steady batch signals, but held-out success halved (0.89 -> 0.40) at any evaluation: a
+    # collapse too; 0.89 -> 0.50 is not
+    def held_out(after, middle=0.89):
+        evals = [
+            {"step": 0, "eval/success_rate": 0.89},
+            {"step": 20, "eval/success_rate": middle},
+            {"step": 40, "eval/success_rate": after},
+        ]
         (cell.run_dir / "rl" / "eval.jsonl").write_text(
             "".join(json.dumps(e) + "\n" for e in evals)
         )
@@ -282,6 +286,8 @@ def test_a_finished_cell_that_collapsed_is_flagged(study):
 
     assert held_out(0.40) is True
     assert held_out(0.50) is False
+    # halved midway and recovered by the end (GRPO at bound 4, seed 1: 89.8 -> 7.0 -> 54.7%)
+    assert held_out(0.85, middle=0.07) is True
 
 
 def test_plan_of_a_study_not_started_prices_cells_from_the_hints(study):
