@@ -758,7 +758,8 @@ def report_text(study: Study, figs: list[CellFigures], plot_rel: str | None) -> 
         f"`--report` regenerates this section. Config `{study.config}`, {study.rl_steps} RL "
         f"steps a cell, {study.num_eval_tasks} held-out tasks; {done} of {len(figs)} cells "
         "done. Mean ± standard error over the finished seeds; 'collapsed': held-out success "
-        "at any evaluation during or after RL below half its value before, or the rule of tools/bench_stability.py "
+        "at any evaluation during or after RL below half its value before, or the rule of "
+        "tools/bench_stability.py "
         "(last-quarter batch reward below half the best 10-update mean and entropy moved > "
         "50%).",
         "",
