@@ -3,6 +3,7 @@ converter and the rollout engines. Standard library only."""
 
 from __future__ import annotations
 
+import errno
 import socket
 from collections.abc import Callable
 from typing import TypeVar
@@ -24,8 +25,8 @@ def free_port() -> int:
 
 def address_in_use(exc: BaseException) -> bool:
     """Whether ``exc`` (or the traceback text a spawned rank passed up in its message) reports
-    that a port was taken: ``OSError`` errno 98 or one of `ADDRESS_IN_USE_MARKERS`."""
-    if isinstance(exc, OSError) and exc.errno == 98:
+    that a port was taken: ``OSError`` EADDRINUSE or one of `ADDRESS_IN_USE_MARKERS`."""
+    if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
         return True
     return any(marker in str(exc) for marker in ADDRESS_IN_USE_MARKERS)
 

@@ -21,14 +21,8 @@ from sao_megatron.parallel.state import ParallelState
 
 logger = logging.getLogger(__name__)
 
-#: the schedule's shape in Megatron's state dict: (key, the `OptimizerConfig` field that sets it)
-SCHEDULE_FIELDS = (
-    ("max_lr", "lr"),
-    ("min_lr", "min_lr"),
-    ("lr_warmup_steps", "warmup_steps"),
-    ("lr_decay_steps", "warmup_steps + decay_steps"),
-    ("lr_decay_style", "decay_style"),
-)
+#: the schedule's shape: the keys of Megatron's state dict that `OptimizerConfig` sets
+SCHEDULE_FIELDS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
 
 
 class LRScheduler(OptimizerParamScheduler):
@@ -61,7 +55,7 @@ class LRScheduler(OptimizerParamScheduler):
         """
         changed = [
             f"{key} {state_dict[key]} in the checkpoint -> {getattr(self, key)} from the config"
-            for key, _ in SCHEDULE_FIELDS
+            for key in SCHEDULE_FIELDS
             if key in state_dict and state_dict[key] != getattr(self, key)
         ]
         if changed:
