@@ -620,6 +620,8 @@ class CellFigures:
     attempts: int = 1  # jobs run into the folder (> 1: resumed; its RL clock is the last one's)
     eval_first: dict | None = None  # the held-out evaluation before RL (rl/eval.jsonl)
     eval_last: dict | None = None  # the last one (after RL, on a finished cell)
+    by_step: list[tuple[int, float]] = field(default_factory=list)  # (RL update, held-out)
+    lowest: float | None = None  # the lowest held-out success at any evaluation after RL began
 
 
 def figures(cell: Cell) -> CellFigures:
@@ -647,7 +649,7 @@ def figures(cell: Cell) -> CellFigures:
         evals = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
         last = {int(e.get("step", 0)): e for e in evals if "eval/success_rate" in e}
         evals = [last[k] for k in sorted(last)]
-    ep, wall = [], []
+    ep, wall, by_step = [], [], []
     for e in evals:
         step = int(e.get("step", 0))
         if step == 0:
@@ -656,6 +658,9 @@ def figures(cell: Cell) -> CellFigures:
         elif step in at:
             ep.append((episodes[at[step]], e["eval/success_rate"]))
             wall.append((clock[at[step]], e["eval/success_rate"]))
+        else:
+            continue
+        by_step.append((step, e["eval/success_rate"]))
     record = json.loads((cell.run_dir / CELL).read_text())
     loads = [a.get(k) for a in record["attempts"] for k in ("loadavg_start", "loadavg_end")]
     evs = [
@@ -693,6 +698,8 @@ def figures(cell: Cell) -> CellFigures:
         attempts=len(record["attempts"]),
         eval_first=evals[0] if evals and int(evals[0].get("step", 0)) == 0 else None,
         eval_last=evals[-1] if st == "done" and len(evals) > 1 else None,
+        by_step=by_step,
+        lowest=lowest,
     )
 
 
@@ -766,8 +773,8 @@ def report_text(study: Study, figs: list[CellFigures], plot_rel: str | None) -> 
         provenance_line(figs),
         "",
         "| algorithm + variant | seeds done | held-out before | held-out after | after - before "
-        "| collapsed | critic EV during RL |",
-        "|---|---|---|---|---|---|---|",
+        "| collapsed | worst seed: lowest held-out after RL began | critic EV during RL |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for g, fs in groups.items():
         fin = [f for f in fs if f.state == "done"]
@@ -777,11 +784,15 @@ def report_text(study: Study, figs: list[CellFigures], plot_rel: str | None) -> 
         ev = mean_se([f.ev_mean for f in fin])
         judged = [f.collapsed for f in fin if f.collapsed is not None]
         collapses = f"{sum(judged)} of {len(judged)}" if judged else "-"
+        low = [f for f in fin if f.lowest is not None]
+        worst = min(low, key=lambda f: f.lowest) if low else None
+        worst_text = "-" if worst is None else f"{_pct(worst.lowest)} (seed {worst.cell.seed})"
         lines.append(
             f"| {g} | {len(fin)} of {len(fs)} | {_mse([f.before for f in fin])} | "
-            f"{_mse([f.after for f in fin])} | {delta} | {collapses} | "
+            f"{_mse([f.after for f in fin])} | {delta} | {collapses} | {worst_text} | "
             f"{'-' if not ev[2] else f'{ev[0]:.2f}'} |"
         )
+    lines += ["", *per_seed_table(groups)]
     lines += [
         "",
         "| cell | state | RL steps | held-out before -> after | RL wall s | max load avg |",
@@ -822,15 +833,42 @@ def report_text(study: Study, figs: list[CellFigures], plot_rel: str | None) -> 
     return "\n".join(lines)
 
 
+def per_seed_table(groups: dict[str, list[CellFigures]]) -> list[str]:
+    """Held-out success after RL, one row per seed and one column per group: the same-seed
+    comparison (the groups of a seed share its SFT start and value pre-training), with the
+    lowest evaluation during RL in brackets and a marked collapse."""
+    seeds = sorted({f.cell.seed for fs in groups.values() for f in fs})
+    lines = [
+        "Held-out success after RL per seed (in brackets: the lowest evaluation after RL began; "
+        "**bold**: a collapse by the rule above; '-': not finished):",
+        "",
+        "| seed | " + " | ".join(groups) + " |",
+        "|---|" + "---|" * len(groups),
+    ]
+    for seed in seeds:
+        row = []
+        for fs in groups.values():
+            f = next((x for x in fs if x.cell.seed == seed), None)
+            if f is None or f.state != "done" or f.after is None:
+                row.append("-" if f is None or f.state == "missing" else f"(step {f.steps})")
+                continue
+            text = _pct(f.after) + ("" if f.lowest is None else f" ({_pct(f.lowest)})")
+            row.append(f"**{text}**" if f.collapsed else text)
+        lines.append(f"| {seed} | " + " | ".join(row) + " |")
+    return lines
+
+
 def plot(study: Study, figs: list[CellFigures], path: Path) -> None:
-    """Held-out success against episodes consumed (left) and RL wall-clock (right), one thin
-    line per finished or unfinished cell, coloured by group."""
+    """Held-out success against episodes consumed (left) and RL wall-clock (middle), one thin
+    line per finished or unfinished cell, coloured by group; right: each group's mean over its
+    finished seeds at each evaluation's RL update, with a band of ± one standard error and the
+    worst seed dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4), sharey=True)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     groups = list(dict.fromkeys(f.cell.group for f in figs))
     for f in figs:
@@ -853,13 +891,31 @@ def plot(study: Study, figs: list[CellFigures], path: Path) -> None:
                 marker=".",
                 label=label,
             )
+    for g in groups:
+        fin = [f for f in figs if f.cell.group == g and f.state == "done" and f.by_step]
+        if not fin:
+            continue
+        steps = sorted(set.intersection(*({s for s, _ in f.by_step} for f in fin)))
+        at = [dict(f.by_step) for f in fin]
+        stats = [mean_se([a[s] for a in at]) for s in steps]
+        mean = [m for m, _, _ in stats]
+        se = [e if n > 1 else 0.0 for _, e, n in stats]
+        c = colours[groups.index(g) % len(colours)]
+        axes[2].plot(steps, mean, "-", color=c, marker=".", label=f"{g} (n={len(fin)})")
+        low = [m - e for m, e in zip(mean, se, strict=True)]
+        high = [m + e for m, e in zip(mean, se, strict=True)]
+        axes[2].fill_between(steps, low, high, color=c, alpha=0.15, linewidth=0)
+        axes[2].plot(steps, [min(a[s] for a in at) for s in steps], "--", color=c, alpha=0.6)
     axes[0].set_xlabel("environment episodes consumed in RL")
     axes[1].set_xlabel("RL wall-clock (s; see the load averages)")
+    axes[2].set_xlabel("RL update (mean ± s.e. over finished seeds; dashed: worst seed)")
     axes[0].set_ylabel("held-out success")
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"{study.name}: one line per cell (dotted: unfinished)")
+    if axes[2].lines:
+        axes[2].legend(fontsize=8)
+    fig.suptitle(f"{study.name}: one line per cell (dotted: unfinished); right: over seeds")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

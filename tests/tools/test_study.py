@@ -204,8 +204,16 @@ def test_report_marks_missing_and_unfinished_cells_and_plan_prices_them(study, m
     commit = json.loads((out / "sao" / "seed0" / "cell.json").read_text())["attempts"][0]["commit"]
     assert f"UTC at commit(s) {commit}" in text and "; per-cell load averages below." in text
     assert "| grpo/seed1 | missing | 0 of 4 | - -> - |" in text
-    assert rows["sao"] == "| sao | 1 of 2 | 10.0% (n=1) | 50.0% (n=1) | +40.0 | 0 of 1 | 0.20 |"
-    assert rows["grpo"] == "| grpo | 1 of 2 | 10.0% (n=1) | 30.0% (n=1) | +20.0 | 0 of 1 | - |"
+    assert rows["sao"] == (
+        "| sao | 1 of 2 | 10.0% (n=1) | 50.0% (n=1) | +40.0 | 0 of 1 | 50.0% (seed 0) | 0.20 |"
+    )
+    assert rows["grpo"] == (
+        "| grpo | 1 of 2 | 10.0% (n=1) | 30.0% (n=1) | +20.0 | 0 of 1 | 30.0% (seed 0) | - |"
+    )
+    # the same-seed table: one row per seed, one column per group, unfinished cells marked
+    assert "| seed | sao | grpo | sao+k1 |" in text
+    assert "| 0 | 50.0% (50.0%) | 30.0% (30.0%) | 50.0% (50.0%) |" in text
+    assert "| 1 | (step 2) | - | - |" in text
     sao0 = next(f for f in figs if f.cell.name == "sao/seed0")
     # episodes counted from the start of RL (40 before it: value pre-training's)
     assert sao0.episodes == [(0.0, 0.1), (64.0, 0.5)] and sao0.walls == [(0.0, 0.1), (8.0, 0.5)]
@@ -223,6 +231,9 @@ def test_report_marks_missing_and_unfinished_cells_and_plan_prices_them(study, m
     figs = [study_mod.figures(c) for c in study_mod.cells(st)]
     text = study_mod.report_text(st, figs, None)
     assert "| sao | 2 of 2 | 10.5% ± 0.5 (n=2) | 50.5% ± 0.5 (n=2) | +40.0 ± 0.0 | 0 of 2 |" in text
+    assert "| 1 | 51.0% (51.0%) | 31.0% (31.0%) | 51.0% (51.0%) |" in text
+    sao1 = next(f for f in figs if f.cell.name == "sao/seed1")
+    assert sao1.by_step == [(0, 0.11), (4, 0.51)] and sao1.lowest == 0.51
     img = out / "plot.png"
     study_mod.plot(st, figs, img)
     assert img.stat().st_size > 10_000
