@@ -18,8 +18,12 @@ exit code and the RL steps done). Rerunning the command:
 * continues an unfinished one in the same folder: `sao-train` resumes from the cell's latest
   checkpoint (``checkpoint.save_interval`` of the study, default every 10 RL steps), so an
   interruption loses at most that many steps;
-* refuses a cell whose folder holds another command (a changed study file), naming the cell
-  and the fix (delete the folder, or give the changed cell another variant name).
+* refuses an unfinished cell whose folder holds another job, naming the cell, the fields
+  that changed and the fix (delete the folder, or give the changed cell another variant name).
+  ``cell.json`` records the job's whole resolved config (the config file with the overrides),
+  so an edit to the config file counts as a change and an override that restates the file's
+  value does not; cells recorded before that, and the shared stages, are compared by their
+  overrides.
 
 Shared stages run once, into ``<out>/_shared``: the SFT start (``shared.sft``), and the value
 pre-training from it (``shared.value_pretrain``) that every cell whose algorithm has a value
@@ -379,6 +383,47 @@ def _what_it_makes(spec: dict) -> dict:
     return {"config": spec["config"], "overrides": overrides}
 
 
+_NOT_WHAT_IT_TRAINS = ("checkpoint.save_interval",)  # how often a job saves
+
+
+def resolved_config(config: str, overrides: list[str]) -> dict[str, object]:
+    """The job's whole config as the trainer will read it (the config file with the overrides
+    applied), flattened to dotted names with JSON values, without the fields that do not change
+    what it trains. Two spellings of one job (an override that restates the file's value)
+    resolve alike; an edit to the config file shows here, not in the overrides."""
+    import dataclasses
+
+    from sao_megatron.configs import load_config
+    from sao_megatron.trainer.job import JobConfig
+
+    job = load_config(JobConfig, REPO / config, overrides)
+    tree = json.loads(json.dumps(dataclasses.asdict(job), default=str))
+    flat: dict[str, object] = {}
+
+    def walk(node: object, prefix: str) -> None:
+        if isinstance(node, dict) and node:
+            for k, v in node.items():
+                walk(v, f"{prefix}.{k}" if prefix else str(k))
+        else:
+            flat[prefix] = node
+
+    walk(tree, "")
+    for k in _NOT_WHAT_IT_TRAINS:
+        flat.pop(k, None)
+    return flat
+
+
+def _config_changes(old: dict[str, object], new: dict[str, object], limit: int = 6) -> list[str]:
+    """'field: old -> new' for each dotted field that differs (at most `limit`, then a count)."""
+    keys = sorted(
+        k for k in old.keys() | new.keys() if old.get(k, "<unset>") != new.get(k, "<unset>")
+    )
+    out = [f"{k}: {old.get(k, '<unset>')!r} -> {new.get(k, '<unset>')!r}" for k in keys[:limit]]
+    if len(keys) > limit:
+        out.append(f"... {len(keys) - limit} more")
+    return out
+
+
 def _run_folder(
     study: Study, run_dir: Path, overrides: list[str], what: str, prepare=None, shared=False
 ) -> None:
@@ -389,22 +434,37 @@ def _run_folder(
     spec = {"config": study.config, "overrides": overrides}
     if (run_dir / DONE).exists() and not shared:
         return
+    # a cell is compared by what it trains; a shared stage by its command (an edit to the RL
+    # part of the config file must not orphan the study's SFT start)
+    resolved = None if shared else resolved_config(study.config, overrides)
     if (run_dir / CELL).exists():
         old = json.loads((run_dir / CELL).read_text())
-        if _what_it_makes({k: old.get(k) for k in spec}) != _what_it_makes(spec):
+        fix = "delete the folder to rerun it, or give the change a variant of its own"
+        if resolved is not None and "resolved" in old:  # whatever the spelling; file edits too
+            changes = _config_changes(old["resolved"], resolved)
+            if changes:
+                raise RuntimeError(
+                    f"{what}: {run_dir} holds another job: the study file or {study.config} "
+                    f"changed what this cell trains ({'; '.join(changes)}): {fix}"
+                )
+        elif _what_it_makes({k: old.get(k) for k in spec}) != _what_it_makes(spec):
             raise RuntimeError(
                 f"{what}: {run_dir} holds another job ({old.get('overrides')}); the study file "
-                "changed this cell: delete the folder to rerun it, or give the change a variant "
-                "of its own"
+                f"changed this cell: {fix}"
             )
         if (run_dir / DONE).exists():
             return
+        if resolved is not None and "resolved" not in old:  # recorded from now on
+            (run_dir / CELL).write_text(json.dumps({**old, "resolved": resolved}, indent=1))
         what += f" (resuming at RL step {_rl_steps_done(run_dir)})"
     else:
         run_dir.mkdir(parents=True, exist_ok=True)
         if prepare is not None:
             prepare(run_dir)
-        (run_dir / CELL).write_text(json.dumps({**spec, "command": cmd, "attempts": []}, indent=1))
+        record = {**spec, "command": cmd, "attempts": []}
+        if resolved is not None:
+            record["resolved"] = resolved
+        (run_dir / CELL).write_text(json.dumps(record, indent=1))
     rc = _attempt(study, run_dir, cmd, what)
     if rc != 0:
         tail = "\n".join((run_dir / "job.log").read_text().splitlines()[-30:])

@@ -186,8 +186,53 @@ def test_a_changed_cell_is_refused_and_only_selects_cells(study, monkeypatch):
     assert study_mod.main([str(path), "--only", "nothing*,grpo/seed1"]) == 0  # several globs
     assert [j["run_dir"] for j in jobs()][-1] == str(out / "grpo" / "seed1")
     path.write_text(path.read_text().replace("rl_steps: 4", "rl_steps: 6"))
-    with pytest.raises(RuntimeError, match=r"grpo/seed0.*holds another job.*delete the folder"):
+    with pytest.raises(
+        RuntimeError, match=r"grpo/seed0.*holds another job.*rl.steps: 4 -> 6.*delete the folder"
+    ):
         study_mod.main([str(path), "--only", "grpo/*", "--max-cells", "1"])
+
+
+def test_a_cell_is_what_its_resolved_config_trains(study, monkeypatch, tmp_path):
+    """The study compares what an unfinished cell trains, not how the study file spells it: an
+    edit to the job's config file is refused (naming the field), an override that restates the
+    config's value is not; a cell recorded before the resolved config gets it on resuming."""
+    path, out, jobs = study
+    config = tmp_path / "job.yaml"
+    config.write_text((ROOT / "examples/configs/quickstart.yaml").read_text())
+    path.write_text(path.read_text().replace("examples/configs/quickstart.yaml", str(config)))
+    monkeypatch.setenv("FAKE_DIE_AT", "1")
+    with pytest.raises(RuntimeError, match="failed"):
+        study_mod.main([str(path), "--only", "grpo/seed0"])
+    monkeypatch.delenv("FAKE_DIE_AT")
+    cell = out / "grpo" / "seed0" / "cell.json"
+    recorded = json.loads(cell.read_text())["resolved"]
+    assert recorded["rollout.max_staleness"] == 1 and "checkpoint.save_interval" not in recorded
+
+    # the same job spelled differently (the config's own staleness bound restated): resumes
+    path.write_text(path.read_text().replace("  grpo: []", "  grpo: [rollout.max_staleness=1]"))
+    assert study_mod.main([str(path), "--only", "grpo/seed0"]) == 0
+    assert (out / "grpo" / "seed0" / "study_done.json").exists()
+
+    # the config file edited under an unfinished cell: refused, naming the field (the shared
+    # SFT start, made from the same file, is still this study's start)
+    monkeypatch.setenv("FAKE_DIE_AT", "1")
+    with pytest.raises(RuntimeError, match="failed"):
+        study_mod.main([str(path), "--only", "grpo/seed1"])
+    monkeypatch.delenv("FAKE_DIE_AT")
+    text = config.read_text()
+    config.write_text(text.replace("trajectories_per_batch: 16", "trajectories_per_batch: 8"))
+    with pytest.raises(RuntimeError, match=r"grpo/seed1.*rollout.trajectories_per_batch: 16 -> 8"):
+        study_mod.main([str(path), "--only", "grpo/seed1"])
+    # a finished cell stays finished whatever changed
+    assert study_mod.main([str(path), "--only", "grpo/seed0"]) == 0
+
+    # a cell recorded before configs were: compared by its overrides, then recorded
+    record = json.loads((out / "grpo" / "seed1" / "cell.json").read_text())
+    del record["resolved"]
+    (out / "grpo" / "seed1" / "cell.json").write_text(json.dumps(record))
+    assert study_mod.main([str(path), "--only", "grpo/seed1"]) == 0
+    resolved = json.loads((out / "grpo" / "seed1" / "cell.json").read_text())["resolved"]
+    assert resolved["rollout.trajectories_per_batch"] == 8
 
 
 def test_report_marks_missing_and_unfinished_cells_and_plan_prices_them(study, monkeypatch):
