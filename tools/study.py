@@ -414,11 +414,11 @@ def resolved_config(config: str, overrides: list[str]) -> dict[str, object]:
 
 
 def _config_changes(old: dict[str, object], new: dict[str, object], limit: int = 6) -> list[str]:
-    """'field: old -> new' for each dotted field that differs (at most `limit`, then a count)."""
-    keys = sorted(
-        k for k in old.keys() | new.keys() if old.get(k, "<unset>") != new.get(k, "<unset>")
-    )
-    out = [f"{k}: {old.get(k, '<unset>')!r} -> {new.get(k, '<unset>')!r}" for k in keys[:limit]]
+    """'field: old -> new' for each dotted field of both that differs (at most `limit`, then a
+    count). A field only one side has is a config field added or removed in the code since the
+    cell was recorded, not a change to the study: an unfinished cell must still resume."""
+    keys = sorted(k for k in old.keys() & new.keys() if old[k] != new[k])
+    out = [f"{k}: {old[k]!r} -> {new[k]!r}" for k in keys[:limit]]
     if len(keys) > limit:
         out.append(f"... {len(keys) - limit} more")
     return out

@@ -223,6 +223,11 @@ def test_a_cell_is_what_its_resolved_config_trains(study, monkeypatch, tmp_path)
     config.write_text(text.replace("trajectories_per_batch: 16", "trajectories_per_batch: 8"))
     with pytest.raises(RuntimeError, match=r"grpo/seed1.*rollout.trajectories_per_batch: 16 -> 8"):
         study_mod.main([str(path), "--only", "grpo/seed1"])
+    # a config field the code added or removed since the cell was recorded is no change
+    record = json.loads((out / "grpo" / "seed1" / "cell.json").read_text())
+    assert (
+        study_mod._config_changes(record["resolved"], record["resolved"] | {"new.field": 1}) == []
+    )
     # a finished cell stays finished whatever changed
     assert study_mod.main([str(path), "--only", "grpo/seed0"]) == 0
 
