@@ -444,8 +444,9 @@ def _run_folder(
             changes = _config_changes(old["resolved"], resolved)
             if changes:
                 raise RuntimeError(
-                    f"{what}: {run_dir} holds another job: the study file or {study.config} "
-                    f"changed what this cell trains ({'; '.join(changes)}): {fix}"
+                    f"{what}: {run_dir} holds another job: the study file, {study.config} or a "
+                    f"default in the code changed what this cell trains ({'; '.join(changes)}): "
+                    f"{fix}"
                 )
         elif _what_it_makes({k: old.get(k) for k in spec}) != _what_it_makes(spec):
             raise RuntimeError(
