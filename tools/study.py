@@ -374,16 +374,15 @@ def _attempt(study: Study, run_dir: Path, cmd: list[str], what: str) -> int:
     return rc
 
 
+_NOT_WHAT_IT_TRAINS = ("checkpoint.save_interval",)  # how often a job saves
+
+
 def _what_it_makes(spec: dict) -> dict:
-    """A job's config and overrides without its checkpoint interval (how often it saves, not
-    what it trains)."""
+    """A job's config and overrides without those of `_NOT_WHAT_IT_TRAINS`."""
     overrides = [
-        o for o in spec["overrides"] or [] if not o.startswith("checkpoint.save_interval=")
+        o for o in spec["overrides"] or [] if o.split("=", 1)[0] not in _NOT_WHAT_IT_TRAINS
     ]
     return {"config": spec["config"], "overrides": overrides}
-
-
-_NOT_WHAT_IT_TRAINS = ("checkpoint.save_interval",)  # how often a job saves
 
 
 def resolved_config(config: str, overrides: list[str]) -> dict[str, object]:
