@@ -14,15 +14,23 @@ Choices, in the order a train step runs them:
    then inactive by construction (V - V_old = 0, both branches of the max equal), so the first
    update is the unclipped one and the value forward before it is saved.
 3. Advantages with the critic *after* its updates: GAE(lam_policy), observation tokens skipped.
-4. Policy update with direct importance sampling on the behaviour log-probs l_b the rollout
-   engine recorded -- no recomputed "old" log-probs (SAO saves that forward pass):
+4. Policy update on the behaviour log-probs l_b the rollout engine recorded -- no recomputed
+   "old" log-probs (SAO saves that forward pass). By default PPO's clipped surrogate on
+   r = exp(l_theta - l_b) (Schulman et al. 2017, eq. 7, with pi_b standing in for pi_old; clip
+   `algorithm.ppo.clip_low/high` = 0.2, dual clip 3):
 
-       r_t  = exp(l_theta - l_b)
+       L_pi = sum_t m_t max(-A_t r_t, -A_t clip(r_t, 1 - clip_low, 1 + clip_high)) / N
+
+   This departs from the paper, measured: its direct importance sampling (DIS) band
+   (`algorithm.importance.weighting: dis_band`)
+
        f(r) = r if 1 - eps_low < r < 1 + eps_high else 0        (dropped, not clipped)
        L_pi = -sum_t m_t sg(f(r_t)) A_t l_theta_t / N          (N: global action tokens)
 
-   `algorithm.importance.weighting` swaps the band f for TIS / masked IS / sequence masking /
-   none, or for PPO's clipped surrogate on r (`ppo_clip`, the DIS-vs-PPO ablation).
+   gives no gradient to a token that left the band against its advantage, so nothing pulls it
+   back; under staleness bound 4 it collapsed the quickstart in 2 of 4 seeds, PPO's clip in
+   none (docs/ALGORITHM.md, "Importance weights"). `algorithm.importance.weighting` also swaps
+   in TIS / masked IS / sequence masking / none.
 """
 
 from __future__ import annotations
@@ -91,12 +99,12 @@ def behaviour_policy_loss(
 
 @register
 class SAO(Algorithm):
-    """Value x K -> advantages with the updated critic -> DIS policy update."""
+    """Value x K -> advantages with the updated critic -> policy update on the behaviour log-probs."""
 
     name = "sao"
     needs_value_model = True
     keeps_groups_together = False
-    default_importance = "dis_band"
+    default_importance = "ppo_clip"  # the paper's is dis_band: module docstring, step 4
     importance_weightings = BEHAVIOUR_WEIGHTINGS
 
     @classmethod

@@ -47,9 +47,11 @@ STANDARD_METRICS: dict[str, str] = {
     "deviation/mismatch_kl": "E[l_b - l_theta], nats/token",
     "deviation/k3": "k3 KL estimator, nats/token",
     "deviation/ess": "normalised effective sample size, 0..1",
-    "deviation/dropped_fraction": "fraction of action tokens dropped by the DIS band",
+    "deviation/dropped_fraction": "fraction of action tokens outside the DIS band "
+    "(algorithm.importance.eps_low/eps_high; dropped with weighting dis_band)",
     "deviation/dropped_against_advantage_fraction": "fraction of action tokens outside the DIS "
-    "band on the side against their advantage (A > 0, r <= 1 - eps_low; A < 0, r >= 1 + eps_high)",
+    "band on the side against their advantage (A > 0, r <= 1 - eps_low; A < 0, r >= 1 + eps_high): "
+    "no gradient under dis_band, pulled back by ppo_clip",
     "deviation/version_lag_mean": "train_version - token policy_version, mean (versions)",
     "deviation/version_lag_max": "same, max (versions)",
     "deviation/lag0/abs_one_minus_ratio_mean": "mean |1 - r_t| over the lag-0 action tokens",

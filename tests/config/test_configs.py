@@ -52,7 +52,7 @@ def test_job_config_derived_fields_follow_overrides():
     from sao_megatron.trainer.job import JobConfig
 
     base = load_config(JobConfig, None, [])
-    assert base.algorithm.importance.weighting == "dis_band"
+    assert base.algorithm.importance.weighting == "ppo_clip"
     cfg = load_config(
         JobConfig,
         None,

@@ -101,13 +101,22 @@ def _build(parallel, algorithm: str):
 
 def _step_fn(algorithm: str, parallel, p_state, v_state):
     from sao_megatron.algorithm import registry
-    from sao_megatron.algorithm.config import AlgorithmConfig, GRPOConfig, SAOConfig
+    from sao_megatron.algorithm.config import (
+        AlgorithmConfig,
+        GRPOConfig,
+        ImportanceConfig,
+        SAOConfig,
+    )
     from sao_megatron.trainer.rl_step import RLStep, StepConfig
 
+    # SAO with the DIS band, as recorded (SAO's default weighting became ppo_clip later)
     algo = (
         AlgorithmConfig(name=algorithm, grpo=GRPOConfig(group_size=4))
         if algorithm == "grpo"
-        else (AlgorithmConfig(sao=SAOConfig(length_adaptive_alpha=0.5)))
+        else AlgorithmConfig(
+            sao=SAOConfig(length_adaptive_alpha=0.5),
+            importance=ImportanceConfig(weighting="dis_band"),
+        )
     )
     return RLStep(registry.build(algo), parallel, p_state, v_state, StepConfig(micro_batch_size=3))
 
