@@ -152,7 +152,8 @@ class GRPOConfig:
 
 @dataclass(kw_only=True)
 class PPOClipConfig:
-    """``algorithm.ppo``: PPO's clipped surrogate (GRPO's loss; SAO's default ppo_clip weighting)."""
+    """``algorithm.ppo``: PPO's clipped surrogate (GRPO's loss; SAO's default weighting,
+    ppo_clip)."""
 
     clip_low: float = 0.2
     """Ratio clip below: clip(r, 1 - clip_low, ...), in (0, 1)."""
@@ -179,8 +180,8 @@ class ImportanceConfig:
 
     weighting: str | None = None
     """dis_band, ppo_clip, tis, masked_is, seq_geo_mask, decoupled_ppo or none; None picks the
-    algorithm's default (sao: ppo_clip; grpo_dis: dis_band; grpo: none). Which ones an algorithm accepts:
-    docs/ALGORITHM.md."""
+    algorithm's default (sao: ppo_clip; grpo_dis: dis_band; grpo: none). Which ones an
+    algorithm accepts: docs/ALGORITHM.md."""
     eps_low: float = 0.3
     """DIS band: tokens with r <= 1 - eps_low are dropped. In (0, 1); 0.3 reasoning, 0.8 coding.
     Also the band of the deviation/dropped_fraction metric for every weighting."""

@@ -99,7 +99,8 @@ def behaviour_policy_loss(
 
 @register
 class SAO(Algorithm):
-    """Value x K -> advantages with the updated critic -> policy update on the behaviour log-probs."""
+    """Value x K -> advantages with the updated critic -> policy update on the behaviour
+    log-probs."""
 
     name = "sao"
     needs_value_model = True
