@@ -295,7 +295,16 @@ class AlgorithmConfig:
         reads = algo.config_sections(self)
         for section in ("sao", "grpo", "ppo"):
             if section not in reads:
-                _reject_non_default(self.name, f"algorithm.{section}", getattr(self, section))
+                key = f"algorithm.{section}"
+                why = f"algorithm.name={self.name!r} (it does not read {key}): remove the key or "
+                why += "pick an algorithm that uses it"
+                if section == "ppo" and "ppo_clip" in algo.importance_weightings:
+                    why = (
+                        f"algorithm.name={self.name!r} with algorithm.importance.weighting="
+                        f"{imp.weighting!r} (it reads {key} only with ppo_clip): remove the key "
+                        "or set algorithm.importance.weighting=ppo_clip"
+                    )
+                _reject_non_default(key, getattr(self, section), why)
         params = {p for ps in IMPORTANCE_PARAMETERS.values() for p in ps}
         for p in sorted(params - set(IMPORTANCE_PARAMETERS.get(imp.weighting, ()))):
             default = next(f.default for f in dataclasses.fields(imp) if f.name == p)
@@ -337,12 +346,10 @@ def _checked_options(name: str, cls: type | None, options: dict[str, Any]) -> di
     return {f: getattr(checked, f) for f in fields}
 
 
-def _reject_non_default(name: str, key: str, part: object) -> None:
-    """ValueError if `part` (a config dataclass) differs from its defaults: it would be ignored."""
+def _reject_non_default(key: str, part: object, ignored_by: str) -> None:
+    """ValueError "<key>.<field>=<value> is ignored by <ignored_by>" if `part` (a config
+    dataclass) differs from its defaults: it would be ignored."""
     default = type(part)()
     for f in dataclasses.fields(part):
         if getattr(part, f.name) != getattr(default, f.name):
-            raise ValueError(
-                f"{key}.{f.name}={getattr(part, f.name)!r} is ignored by algorithm.name={name!r} "
-                f"(it does not read {key}): remove the key or pick an algorithm that uses it"
-            )
+            raise ValueError(f"{key}.{f.name}={getattr(part, f.name)!r} is ignored by {ignored_by}")

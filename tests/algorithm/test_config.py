@@ -127,6 +127,17 @@ def test_a_part_the_algorithm_ignores_is_an_error(kwargs, key):
         AlgorithmConfig(**kwargs)
 
 
+def test_ppo_keys_with_the_dis_band_name_the_weighting_that_reads_them():
+    cfg = dict(importance=ImportanceConfig(weighting="dis_band"), ppo=PPOClipConfig(clip_low=0.1))
+    with pytest.raises(ValueError) as e:
+        AlgorithmConfig(**cfg)
+    assert str(e.value) == (
+        "algorithm.ppo.clip_low=0.1 is ignored by algorithm.name='sao' with "
+        "algorithm.importance.weighting='dis_band' (it reads algorithm.ppo only with ppo_clip): "
+        "remove the key or set algorithm.importance.weighting=ppo_clip"
+    )
+
+
 def test_parts_the_algorithm_reads_are_accepted():
     ppo = PPOClipConfig(clip_low=0.1, clip_high=0.3)
     sao = AlgorithmConfig(importance=ImportanceConfig(weighting="ppo_clip"), ppo=ppo)
