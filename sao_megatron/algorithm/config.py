@@ -296,13 +296,16 @@ class AlgorithmConfig:
         for section in ("sao", "grpo", "ppo"):
             if section not in reads:
                 key = f"algorithm.{section}"
-                why = f"algorithm.name={self.name!r} (it does not read {key}): remove the key or "
-                why += "pick an algorithm that uses it"
                 if section == "ppo" and "ppo_clip" in algo.importance_weightings:
                     why = (
                         f"algorithm.name={self.name!r} with algorithm.importance.weighting="
                         f"{imp.weighting!r} (it reads {key} only with ppo_clip): remove the key "
                         "or set algorithm.importance.weighting=ppo_clip"
+                    )
+                else:
+                    why = (
+                        f"algorithm.name={self.name!r} (it does not read {key}): remove the key "
+                        "or pick an algorithm that uses it"
                     )
                 _reject_non_default(key, getattr(self, section), why)
         params = {p for ps in IMPORTANCE_PARAMETERS.values() for p in ps}
