@@ -42,6 +42,7 @@ import fnmatch
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -328,6 +329,22 @@ def stop_study(study: Study) -> str:
     )
 
 
+def _exit_reason(rc: int) -> str:
+    """A job's exit code in words: a signal by name, SIGKILL with the usual cause on Linux."""
+    if rc >= 0:
+        return f"exit {rc}"
+    try:
+        name = signal.Signals(-rc).name
+    except ValueError:
+        name = f"signal {-rc}"
+    if -rc == signal.SIGKILL:
+        return (
+            f"exit {rc}: killed by {name}, most often the kernel's out-of-memory killer (`dmesg | "
+            "grep -i 'killed process'`); run one job at a time or lower the cell's memory"
+        )
+    return f"exit {rc}: killed by {name}"
+
+
 def _attempt(study: Study, run_dir: Path, cmd: list[str], what: str) -> int:
     """Run `cmd` once into run_dir (log appended to run_dir/job.log), recording the attempt's
     provenance in run_dir/cell.json; returns its exit code."""
@@ -469,7 +486,7 @@ def _run_folder(
     if rc != 0:
         tail = "\n".join((run_dir / "job.log").read_text().splitlines()[-30:])
         raise RuntimeError(
-            f"{what} failed (exit {rc}); rerun the study to resume it. Log "
+            f"{what} failed ({_exit_reason(rc)}); rerun the study to resume it. Log "
             f"{run_dir / 'job.log'}:\n{tail}"
         )
     steps = _rl_steps_done(run_dir)

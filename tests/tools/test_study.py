@@ -66,6 +66,8 @@ for step in range(start + 1, steps + 1):
                             "value/explained_variance_before": 0.2 if sao else None}) + "\n")
     if die_at and step == die_at:
         sys.exit(3)
+    if int(os.environ.get("FAKE_KILL_AT", "0")) == step:  # as the out-of-memory killer does
+        import signal; os.kill(os.getpid(), signal.SIGKILL)
     if int(os.environ.get("FAKE_STOP_AT", "0")) == step:  # --stop arrives during this step
         Path(os.environ["SAO_STOP_FILE"]).touch()
     stop = Path(os.environ["SAO_STOP_FILE"])
@@ -173,6 +175,25 @@ def test_shared_stages_once_interrupted_cell_resumes_and_done_cells_never_rerun(
     n = len(jobs())
     assert study_mod.main([str(path)]) == 0
     assert len(jobs()) == n  # everything done: nothing runs
+
+
+def test_a_killed_cell_names_the_signal_and_resumes(study, monkeypatch):
+    path, out, jobs = study
+    monkeypatch.setenv("FAKE_KILL_AT", "3")
+    with pytest.raises(RuntimeError) as err:
+        study_mod.main([str(path)])
+    msg = str(err.value)
+    assert msg.startswith("cell 1/6 sao/seed0 failed (exit -9: killed by SIGKILL, most often")
+    assert "out-of-memory killer" in msg and "dmesg" in msg
+    assert str(out / "sao" / "seed0" / "job.log") in msg
+    cell = json.loads((out / "sao" / "seed0" / "cell.json").read_text())
+    assert [(a["exit_code"], a["rl_steps_after"]) for a in cell["attempts"]] == [(-9, 3)]
+    monkeypatch.delenv("FAKE_KILL_AT")
+    assert study_mod.main([str(path)]) == 0
+    cell = json.loads((out / "sao" / "seed0" / "cell.json").read_text())
+    assert [(a["rl_steps_before"], a["exit_code"]) for a in cell["attempts"]] == [(0, -9), (3, 0)]
+    assert study_mod._exit_reason(-15) == "exit -15: killed by SIGTERM"
+    assert study_mod._exit_reason(-200) == "exit -200: killed by signal 200"
 
 
 def test_a_changed_cell_is_refused_and_only_selects_cells(study, monkeypatch):
