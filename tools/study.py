@@ -28,19 +28,30 @@ exit code and the RL steps done). Rerunning the command:
 Shared stages run once, into ``<out>/_shared``: the SFT start (``shared.sft``), and the value
 pre-training from it (``shared.value_pretrain``) that every cell whose algorithm has a value
 model starts from, unless its variant sets ``own_value_pretrain`` (a variant that changes the
-critic: it pre-trains its own). ``--report`` regenerates every table and the plot from the
-folders that exist and marks the cells that are missing or unfinished; two axes, always:
-held-out success against environment episodes consumed (robust to machine load) and against
-wall-clock (meaningful only for runs that had the cores to themselves: the load averages are in
-the per-cell table).
+critic: it pre-trains its own).
+
+A finished cell is also *recorded* in the repository (``records``, default
+``examples/studies/records/<study file name>``: its ``cell.json``, ``study_done.json``, held-out
+evaluations and gzipped RL metrics, tens of KB), because ``runs/`` is not committed and a
+machine can be replaced between sittings: a cell recorded there counts as done (never rerun)
+and the report reads it when its run folder is gone. Commit the records with the report.
+``--report --write`` refuses to replace a section that lists a finished cell the study can no
+longer read (neither run folder nor record), rather than drop its row.
+
+``--report`` regenerates every table and the plot from the folders and records that exist and
+marks the cells that are missing or unfinished; two axes, always: held-out success against
+environment episodes consumed (robust to machine load) and against wall-clock (meaningful only
+for runs that had the cores to themselves: the load averages are in the per-cell table).
 """
 
 from __future__ import annotations
 
 import argparse
 import fnmatch
+import gzip
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -62,6 +73,11 @@ CELL = "cell.json"
 STOP = "stop"
 #: `<out>/runner.json`: the running study's pid and current job (removed when it exits)
 RUNNER = "runner.json"
+#: what a finished cell's record keeps (relative paths in its run folder); the RL metrics are
+#: kept gzipped (`METRICS_GZ`): 1000 updates of metrics are ~5 MB as text
+EVALS = "rl/eval.jsonl"
+METRICS = "rl/metrics.jsonl"
+METRICS_GZ = METRICS + ".gz"
 
 
 class StudyStopped(Exception):  # noqa: N818 - a control-flow outcome, not an error
@@ -139,6 +155,8 @@ class Study:
         shared_save_interval: checkpoint the shared stages every this many of their steps (SFT
             steps, value pre-training steps), so a long one resumes; 0: the config's own
             ``checkpoint.save_interval``.
+        records: the committed folder of finished cells' records (see the module); empty: the
+            study file's folder ``records/<study file name without .yaml>``.
     """
 
     name: str
@@ -162,6 +180,7 @@ class Study:
     report_eval_keys: list[str] = field(default_factory=list)
     shared_from: str = ""
     shared_save_interval: int = 0
+    records: str = ""
 
 
 def load_study(path: str | Path) -> Study:
@@ -170,6 +189,8 @@ def load_study(path: str | Path) -> Study:
     from sao_megatron.configs import load_config
 
     study = load_config(Study, path)
+    if not study.records:
+        study.records = str(Path(path).parent / "records" / Path(path).stem)
     if not study.algorithms:
         raise ValueError(f"{path}: `algorithms` is empty: name at least one (e.g. sao: [])")
     if not study.include_baseline and not study.variants:
@@ -206,6 +227,7 @@ class Cell:
     overrides: list[str]  # the job's, after the config path
     needs_value_model: bool
     own_value_pretrain: bool
+    record_dir: Path | None = None  # its committed record (`record_cell`)
 
     @property
     def group(self) -> str:
@@ -271,22 +293,85 @@ def cells(study: Study) -> list[Cell]:
                     f"seed={seed}",  # parallel.seed, tasks.train_seed derived from it
                     f"rollout.seed={seed}",  # a config's own rollout.seed would win
                 ]
-                out.append(Cell(algo, vname, seed, run_dir, overrides, needs_value, own_vp))
+                record = Path(study.records) / group / f"seed{seed}"
+                out.append(Cell(algo, vname, seed, run_dir, overrides, needs_value, own_vp, record))
     if study.include_baseline:  # the main comparison first, then the ablations (stable sort)
         out.sort(key=lambda c: c.variant != "")
     return out
 
 
+def _recorded(cell: Cell) -> bool:
+    return cell.record_dir is not None and (cell.record_dir / DONE).exists()
+
+
 def state(cell: Cell) -> str:
-    """ "done", "unfinished" (started, not done: it resumes) or "missing"."""
-    if (cell.run_dir / DONE).exists():
+    """ "done" (its run folder or its record says so), "unfinished" (started, not done: it
+    resumes) or "missing"."""
+    if (cell.run_dir / DONE).exists() or _recorded(cell):
         return "done"
     return "unfinished" if (cell.run_dir / CELL).exists() else "missing"
 
 
+def source(cell: Cell) -> Path:
+    """The folder the cell's figures are read from: its run folder while that holds the cell
+    (done or unfinished), else its record (a finished cell whose run folder is gone)."""
+    if (cell.run_dir / CELL).exists() or not _recorded(cell):
+        return cell.run_dir
+    return cell.record_dir
+
+
+def read_rl_metrics(folder: Path) -> list[dict]:
+    """The RL stage's metric records of a run folder (``rl/metrics.jsonl``) or of a record
+    (``rl/metrics.jsonl.gz``), in file order. Raises FileNotFoundError when neither exists."""
+    if (folder / METRICS).exists():
+        return read_metrics(folder / "rl")
+    with gzip.open(folder / METRICS_GZ, "rt") as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+def record_cell(cell: Cell) -> Path | None:
+    """Copy a finished cell's record from its run folder into `cell.record_dir` (replacing an
+    older one: a horizon evaluation added later goes in too); returns the record's folder, or
+    None when the run folder holds no finished cell."""
+    if cell.record_dir is None or not (cell.run_dir / DONE).exists():
+        return None
+    tmp = cell.record_dir.with_name(cell.record_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "rl").mkdir(parents=True)
+    for name in (DONE, CELL, EVALS, HORIZON):
+        if (cell.run_dir / name).exists():
+            shutil.copy2(cell.run_dir / name, tmp / name)
+    with gzip.GzipFile(tmp / METRICS_GZ, "wb", mtime=0) as f:  # mtime 0: the same bytes again
+        f.write((cell.run_dir / METRICS).read_bytes())
+    shutil.rmtree(cell.record_dir, ignore_errors=True)
+    tmp.rename(cell.record_dir)
+    return cell.record_dir
+
+
+def record_finished(all_cells: list[Cell]) -> list[Path]:
+    """Record each finished cell whose record is missing or behind its run folder (a file
+    there that the record lacks or holds an older copy of); returns the records written."""
+    out = []
+    for c in all_cells:
+        if not (c.run_dir / DONE).exists() or c.record_dir is None:
+            continue
+        behind = not (c.record_dir / METRICS_GZ).exists()
+        for n in (DONE, CELL, EVALS, HORIZON):
+            mine, kept = c.run_dir / n, c.record_dir / n
+            if mine.exists() and (not kept.exists() or kept.stat().st_mtime < mine.stat().st_mtime):
+                behind = True
+        if not behind:
+            continue
+        written = record_cell(c)
+        if written is not None:
+            print(f"[study] recorded {c.name} in {written} (commit it)", flush=True)
+            out.append(written)
+    return out
+
+
 def _rl_steps_done(run_dir: Path) -> int:
     try:
-        return max((int(r["step"]) for r in read_metrics(run_dir / "rl") if "step" in r), default=0)
+        return max((int(r["step"]) for r in read_rl_metrics(run_dir) if "step" in r), default=0)
     except FileNotFoundError:
         return 0
 
@@ -561,6 +646,7 @@ def run(study: Study, todo: list[Cell], selected: list[Cell] | None = None) -> N
             f"cell {i}/{len(todo)} {cell.name}",
             prepare=prepare,
         )
+        record_finished([cell])
         evaluate_horizons(study, selected)
 
 
@@ -622,7 +708,10 @@ def evaluate_horizons(study: Study, all_cells: list[Cell], evaluate=None) -> Non
     todo = [
         (c.run_dir / "hf_policy_final", c.run_dir / HORIZON, c.name, c.run_dir)
         for c in all_cells
-        if wants_horizon_eval(study, c) and state(c) == "done"
+        if wants_horizon_eval(study, c)
+        and (c.run_dir / DONE).exists()  # a recorded cell's policy is gone with its run folder
+        and horizon_result(source(c) / HORIZON, study) is None
+        and (c.record_dir is None or horizon_result(c.record_dir / HORIZON, study) is None)
     ]
     start = _start_policy(study, all_cells)
     if start is not None:
@@ -648,6 +737,7 @@ def evaluate_horizons(study: Study, all_cells: list[Cell], evaluate=None) -> Non
                 indent=1,
             )
         )
+    record_finished(all_cells)
 
 
 def horizon_table(study: Study, all_cells: list[Cell]) -> str:
@@ -664,7 +754,7 @@ def horizon_table(study: Study, all_cells: list[Cell]) -> str:
     for c in all_cells:
         if not wants_horizon_eval(study, c):
             continue
-        r = horizon_result(c.run_dir / HORIZON, study)
+        r = horizon_result(source(c) / HORIZON, study)
         if r is None:
             missing.append(c.name)
         else:
@@ -704,13 +794,12 @@ class CellFigures:
 def figures(cell: Cell) -> CellFigures:
     st = state(cell)
     empty = CellFigures(cell, st, 0, None, None, [], [], None, None, None)
-    if st == "missing" or not (cell.run_dir / "rl" / "metrics.jsonl").exists():
+    src = source(cell)
+    if st == "missing" or not ((src / METRICS).exists() or (src / METRICS_GZ).exists()):
         return empty
     # a run killed between checkpoints redoes the steps after its last one when it resumes,
     # appending them again: the last record of a step is the one the run went on from
-    by_step = {
-        int(r["step"]): r for r in read_metrics(cell.run_dir / "rl") if "time/rl_elapsed_s" in r
-    }
+    by_step = {int(r["step"]): r for r in read_rl_metrics(src) if "time/rl_elapsed_s" in r}
     recs = [by_step[k] for k in sorted(by_step)]
     if not recs:
         return empty
@@ -721,7 +810,7 @@ def figures(cell: Cell) -> CellFigures:
     clock = _across_restarts([r["time/rl_elapsed_s"] for r in recs], 0.0)
     at = {int(r["step"]): i for i, r in enumerate(recs)}
     evals = []
-    path = cell.run_dir / "rl" / "eval.jsonl"
+    path = src / EVALS
     if path.exists():
         evals = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
         last = {int(e.get("step", 0)): e for e in evals if "eval/success_rate" in e}
@@ -738,7 +827,7 @@ def figures(cell: Cell) -> CellFigures:
         else:
             continue
         by_step.append((step, e["eval/success_rate"]))
-    record = json.loads((cell.run_dir / CELL).read_text())
+    record = json.loads((src / CELL).read_text())
     loads = [a.get(k) for a in record["attempts"] for k in ("loadavg_start", "loadavg_end")]
     evs = [
         r["value/explained_variance_before"]
@@ -812,8 +901,8 @@ def provenance_line(figs: list[CellFigures]) -> str:
 
     attempts = []
     for f in figs:
-        if f.state != "missing" and (f.cell.run_dir / CELL).exists():
-            attempts += json.loads((f.cell.run_dir / CELL).read_text())["attempts"]
+        if f.state != "missing" and (source(f.cell) / CELL).exists():
+            attempts += json.loads((source(f.cell) / CELL).read_text())["attempts"]
     starts = sorted(a["start_utc"] for a in attempts if a.get("start_utc"))
     ends = sorted(a["end_utc"] for a in attempts if a.get("end_utc"))
     commits = sorted({a["commit"] for a in attempts if a.get("commit")})
@@ -999,6 +1088,20 @@ def plot(study: Study, figs: list[CellFigures], path: Path) -> None:
     plt.close(fig)
 
 
+def lost_cells(study: Study, all_cells: list[Cell], doc: Path) -> list[str]:
+    """The cells the study's section of `doc` reports as done (its per-cell table) that the
+    study can no longer read: neither their run folder nor their record is there."""
+    if not doc.exists() or not study.section:
+        return []
+    m = re.search(
+        rf"^## {re.escape(study.section)}\n(.*?)(?=^## |\Z)", doc.read_text(), re.S | re.M
+    )
+    if m is None:
+        return []
+    listed = set(re.findall(r"^\| (\S+) \| done \|", m.group(1), re.M))
+    return [c.name for c in all_cells if c.name in listed and state(c) != "done"]
+
+
 # ---------------------------------------------------------------------------- plan
 def plan_text(study: Study, all_cells: list[Cell]) -> str:
     """Each cell's state, and the 2-core time left estimated from the RL seconds per step the
@@ -1025,7 +1128,7 @@ def plan_text(study: Study, all_cells: list[Cell]) -> str:
     lines.append(f"left: ~{left / 3600:.1f} h of RL (measured rates, else the study's hints)")
     if study.horizon_eval is not None:
         paths = [_start_horizon_file(study)]
-        paths += [c.run_dir / HORIZON for c in all_cells if wants_horizon_eval(study, c)]
+        paths += [source(c) / HORIZON for c in all_cells if wants_horizon_eval(study, c)]
         walls = [json.loads(x.read_text())["wall_s"] for x in paths if horizon_result(x, study)]
         n = sum(horizon_result(x, study) is None for x in paths)
         each = f"~{sum(walls) / len(walls) / 60:.0f} min each" if walls else "cost unknown yet"
@@ -1072,7 +1175,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.stop:
         print(stop_study(study))
         return 0
+    record_finished(all_cells)
     if args.report:
+        if args.write:
+            lost = lost_cells(study, all_cells, benchlib.DOC)
+            if lost:
+                raise SystemExit(
+                    f"{args.study}: not written: docs/BENCHMARKS.md's section '{study.section}' "
+                    f"reports {', '.join(lost)} as done, but neither its run folder under "
+                    f"{study.out} nor its record under {study.records} is here (a run folder "
+                    "made before records were kept, on another machine?). Rerun the cell(s) "
+                    f"(`--only '{lost[0]}'`) or restore the record from git, then --write; "
+                    "`--report` without --write prints what it would write"
+                )
         figs = [figures(c) for c in all_cells]
         img_name = f"study_{benchlib.section_slug(study.name)}.png"
         img = (REPO / "docs" / "img" if args.write else Path(study.out)) / img_name
@@ -1101,7 +1216,10 @@ def main(argv: list[str] | None = None) -> int:
         stale.unlink(missing_ok=True)
     _runner_state(study)
     try:
-        run(study, [] if args.shared else todo, selected)
+        if todo or args.shared:
+            run(study, [] if args.shared else todo, selected)
+        else:  # nothing to train: no shared stage either (a new machine need not redo them)
+            evaluate_horizons(study, selected)
     except StudyStopped as e:
         print(f"[study] {e}", flush=True)
     finally:

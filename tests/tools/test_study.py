@@ -543,3 +543,75 @@ def test_every_shipped_study_file_resolves_its_cells(path):
     assert cells and all(c.run_dir.is_relative_to(Path(st.out)) for c in cells)
     names = [c.name for c in cells]
     assert len(names) == len(set(names))
+
+
+def test_a_finished_cell_is_recorded_and_outlives_its_run_folder(study, monkeypatch, tmp_path):
+    """`runs/` is not committed and a machine can be replaced between sittings: a finished
+    cell's record (in the repository) keeps it done and reportable when its folder is gone."""
+    path, out, jobs = study
+    assert study_mod.main([str(path), "--only", "sao/seed0,grpo/seed0"]) == 0
+    st = study_mod.load_study(path)
+    assert Path(st.records) == path.parent / "records" / "study"  # the default
+    cells = {c.name: c for c in study_mod.cells(st)}
+    rec = Path(st.records) / "sao" / "seed0"
+    assert sorted(str(p.relative_to(rec)) for p in rec.rglob("*") if p.is_file()) == [
+        "cell.json",
+        "rl/eval.jsonl",
+        "rl/metrics.jsonl.gz",
+        "study_done.json",
+    ]
+    assert not (Path(st.records) / "sao" / "seed1").exists()  # not run: not recorded
+    before = {n: study_mod.figures(cells[n]) for n in ("sao/seed0", "grpo/seed0")}
+    text_before = study_mod.report_text(st, list(before.values()), None)
+
+    import shutil
+
+    shutil.rmtree(out)  # the machine is replaced: the run folders are gone
+    for name, f in before.items():
+        c = cells[name]
+        assert study_mod.state(c) == "done" and study_mod.source(c) == c.record_dir
+        after = study_mod.figures(c)
+        assert (after.before, after.after, after.steps) == (f.before, f.after, f.steps)
+        assert after.episodes == f.episodes and after.ev_mean == f.ev_mean
+        assert after.eval_last == f.eval_last and after.attempts == f.attempts
+    assert study_mod.report_text(st, list(before.values()), None) == text_before
+    n = len(jobs())
+    assert study_mod.main([str(path), "--only", "sao/seed0,grpo/seed0"]) == 0
+    assert len(jobs()) == n  # recorded cells are never rerun
+    plan = study_mod.plan_text(st, study_mod.cells(st))
+    assert "sao/seed0" in plan and "done" in plan.splitlines()[0]
+
+    # a run folder that holds the cell again wins over the record
+    c = cells["sao/seed0"]
+    (c.run_dir).mkdir(parents=True)
+    (c.run_dir / "cell.json").write_text((c.record_dir / "cell.json").read_text())
+    assert study_mod.source(c) == c.run_dir and study_mod.state(c) == "done"
+
+
+def test_write_refuses_to_drop_a_finished_cell_it_can_no_longer_read(study, monkeypatch, tmp_path):
+    path, out, _ = study
+    assert study_mod.main([str(path), "--only", "sao/seed0"]) == 0
+    doc = tmp_path / "BENCHMARKS.md"
+    monkeypatch.setattr(study_mod.benchlib, "DOC", doc)
+    monkeypatch.setattr(
+        study_mod.benchlib,
+        "write_section",
+        lambda h, body: doc.write_text(f"# B\n\n## {h}\n\n{body}\n"),
+    )
+    monkeypatch.setattr(study_mod, "plot", lambda *a: None)  # not into the repository's docs
+    assert study_mod.main([str(path), "--report", "--write"]) == 0
+    assert "| sao/seed0 | done | 4 of 4 |" in doc.read_text()
+    st = study_mod.load_study(path)
+    assert study_mod.lost_cells(st, study_mod.cells(st), doc) == []
+
+    import shutil
+
+    shutil.rmtree(out)
+    shutil.rmtree(st.records)  # a cell finished before records were kept, on another machine
+    written = doc.read_text()
+    with pytest.raises(SystemExit) as err:
+        study_mod.main([str(path), "--report", "--write"])
+    msg = str(err.value)
+    assert "reports sao/seed0 as done" in msg and st.records in msg and "--only 'sao/seed0'" in msg
+    assert doc.read_text() == written  # nothing lost
+    assert study_mod.main([str(path), "--report"]) == 0  # printing is still allowed
