@@ -1103,6 +1103,54 @@ def lost_cells(study: Study, all_cells: list[Cell], doc: Path) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- plan
+def _shared_plan(study: Study, all_cells: list[Cell]) -> list[str]:
+    """One line per shared stage the study runs: its state, steps logged of the config's, and
+    the time left at its own measured rate (seconds between its logged steps) once it has one.
+    A new machine has none of them (they are not recorded), and they come before any cell."""
+    from sao_megatron.configs import load_config
+    from sao_megatron.trainer.job import JobConfig
+
+    job = load_config(JobConfig, REPO / study.config, study.overrides)
+    sft_dir, vp_dir = _shared_dirs(study)
+    needs_vp = any(c.needs_value_model and not c.own_value_pretrain for c in all_cells)
+    stages = [
+        ("sft", sft_dir, job.sft.steps, study.shared_sft),
+        (
+            "value_pretrain",
+            vp_dir,
+            job.value_pretrain.steps,
+            study.shared_value_pretrain and needs_vp,
+        ),
+    ]
+    lines = []
+    for stage, folder, total, runs in stages:
+        if not runs:
+            continue
+        st = (
+            "done"
+            if (folder / DONE).exists()
+            else "unfinished"
+            if (folder / CELL).exists()
+            else "missing"
+        )
+        try:
+            recs = [r for r in read_metrics(folder / stage) if "step" in r]
+        except FileNotFoundError:
+            recs = []
+        steps = max((int(r["step"]) for r in recs), default=0)
+        est = "-"
+        if st != "done":
+            times = [r["time/unix"] for r in recs if "time/unix" in r]
+            if len(times) > 1 and total > steps:
+                rate = (times[-1] - times[0]) / (len(times) - 1)
+                est = f"~{(total - steps) * rate / 60:.0f} min (at most; its own rate)"
+            else:
+                est = "unknown until it logs two steps"
+        name = f"shared {stage}"
+        lines.append(f"{name:40s} {st:11s} step {steps:4d}/{total}  {est}")
+    return lines
+
+
 def plan_text(study: Study, all_cells: list[Cell]) -> str:
     """Each cell's state, and the 2-core time left estimated from the RL seconds per step the
     study's own cells of the same algorithm measured, else the study file's `seconds_per_step`
@@ -1112,7 +1160,7 @@ def plan_text(study: Study, all_cells: list[Cell]) -> str:
     for f in figs:
         if f.wall_s and f.steps:
             per_step.setdefault(f.cell.algorithm, []).append(f.wall_s / f.steps)
-    lines, left, unknown = [], 0.0, []
+    lines, left, unknown = _shared_plan(study, all_cells), 0.0, []
     for f in figs:
         rate = per_step.get(f.cell.algorithm)
         rate_s = sum(rate) / len(rate) if rate else study.seconds_per_step.get(f.cell.algorithm)

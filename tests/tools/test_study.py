@@ -377,9 +377,23 @@ def test_plan_of_a_study_not_started_prices_cells_from_the_hints(study):
     st = study_mod.load_study(path)
     st.seconds_per_step = {"sao": 60.0, "grpo": 30.0}
     lines = study_mod.plan_text(st, study_mod.cells(st)).splitlines()
-    assert lines[0].split() == ["sao/seed0", "missing", "step", "0/4", "~4", "min", "(hint)"]
-    assert lines[1].split()[-3:] == ["~2", "min", "(hint)"]  # grpo/seed0
+    # the shared stages first (the quickstart config's 200 SFT steps, a 12-update critic cap)
+    assert (
+        " ".join(lines[0].split())
+        == "shared sft missing step 0/200 unknown until it logs two steps"
+    )
+    assert lines[1].split()[:5] == ["shared", "value_pretrain", "missing", "step", "0/12"]
+    assert lines[2].split() == ["sao/seed0", "missing", "step", "0/4", "~4", "min", "(hint)"]
+    assert lines[3].split()[-3:] == ["~2", "min", "(hint)"]  # grpo/seed0
     assert lines[-1].startswith("left: ~0.3 h")  # 4 SAO cells x 4 min + 2 GRPO cells x 2 min
+    # an SFT under way is priced at its own rate: 3 steps 30 s apart, 197 left ~ 98.5 min
+    sft = Path(st.out) / "_shared" / "sft"
+    (sft / "sft").mkdir(parents=True)
+    (sft / "cell.json").write_text("{}")
+    recs = [{"step": k, "time/unix": 1000.0 + 30 * k} for k in (1, 2, 3)]
+    (sft / "sft" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    first = study_mod.plan_text(st, study_mod.cells(st)).splitlines()[0].split()
+    assert first[:5] == ["shared", "sft", "unfinished", "step", "3/200"] and first[5] == "~98"
 
 
 def test_a_variant_runs_on_its_own_seeds(study):
@@ -579,7 +593,8 @@ def test_a_finished_cell_is_recorded_and_outlives_its_run_folder(study, monkeypa
     assert study_mod.main([str(path), "--only", "sao/seed0,grpo/seed0"]) == 0
     assert len(jobs()) == n  # recorded cells are never rerun
     plan = study_mod.plan_text(st, study_mod.cells(st))
-    assert "sao/seed0" in plan and "done" in plan.splitlines()[0]
+    row = next(x for x in plan.splitlines() if x.startswith("sao/seed0 "))
+    assert row.split()[1:4] == ["done", "step", "4/4"]
 
     # a run folder that holds the cell again wins over the record
     c = cells["sao/seed0"]
