@@ -589,6 +589,22 @@ def _shared_dirs(study: Study) -> tuple[Path, Path]:
     return shared / "sft", shared / "value_pretrain"
 
 
+def preflight(study: Study) -> None:
+    """What the study's jobs need and cannot make themselves, checked before its first job:
+    the vLLM virtualenv of the local rollout engines (the SFT stage does not use them, so a
+    missing one would otherwise fail the study only after it). Raises SystemExit with the fix."""
+    from sao_megatron.configs import load_config
+    from sao_megatron.rollout.engine_process import vllm_python
+    from sao_megatron.trainer.job import JobConfig
+
+    job = load_config(JobConfig, REPO / study.config, study.overrides)
+    if job.rollout.launches_engines:
+        try:
+            vllm_python(job.rollout)
+        except ValueError as e:
+            raise SystemExit(f"{study.name}: nothing started: {e}") from None
+
+
 def run(study: Study, todo: list[Cell], selected: list[Cell] | None = None) -> None:
     """Run the shared stages the cells need, then each cell not done, in order; with
     `horizon_eval`, evaluate each finished cell of `selected` (default `todo`) as it finishes
@@ -1265,6 +1281,7 @@ def main(argv: list[str] | None = None) -> int:
     _runner_state(study)
     try:
         if todo or args.shared:
+            preflight(study)
             run(study, [] if args.shared else todo, selected)
         else:  # nothing to train: no shared stage either (a new machine need not redo them)
             evaluate_horizons(study, selected)

@@ -64,6 +64,21 @@ def _stop_all() -> None:
 atexit.register(_stop_all)
 
 
+def vllm_python(config: RolloutConfig) -> Path:
+    """The interpreter of the vLLM virtualenv the local engines run in: ``rollout.vllm_python``,
+    relative to the repository unless absolute. Raises ValueError, with the fix, when it does not
+    exist (callers check it before work that would be lost: `tools/study.py` before any stage)."""
+    py = Path(config.vllm_python)
+    if not py.is_absolute():
+        py = REPO_ROOT / py
+    if not py.exists():
+        raise ValueError(
+            f"rollout.vllm_python={config.vllm_python!r} does not exist: create the vLLM "
+            "virtualenv with `make vllm` (tools/install_vllm.sh) or point this at one"
+        )
+    return py
+
+
 class EngineProcess:
     """One local vLLM server process under its supervisor (with vLLM's engine-core/worker
     children: one process group, `proc` is the supervisor, the group leader).
@@ -90,15 +105,7 @@ class EngineProcess:
                 f"model_path={self.model_path!r}: give a Hugging Face checkpoint folder for the "
                 "local vLLM engines to load"
             )
-        py = Path(config.vllm_python)
-        if not py.is_absolute():
-            py = REPO_ROOT / py
-        if not py.exists():
-            raise ValueError(
-                f"rollout.vllm_python={config.vllm_python!r} does not exist: create the vLLM "
-                "virtualenv with `bash tools/install_vllm.sh` or point this at one"
-            )
-        self.python = str(py)
+        self.python = str(vllm_python(config))
         self.log_path = Path(run_dir) / "engines" / f"engine{index}.log"
         self.port = 0
         self.proc: subprocess.Popen | None = None

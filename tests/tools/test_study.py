@@ -113,6 +113,7 @@ def study(tmp_path, monkeypatch):
         return [sys.executable, str(fake), str(run_dir), *overrides]
 
     monkeypatch.setattr(study_mod, "_command", command)
+    monkeypatch.setattr(study_mod, "preflight", lambda st: None)  # the fake jobs need no engines
     path = tmp_path / "study.yaml"
     path.write_text(STUDY.format(out=tmp_path / "out"))
     jobs = lambda: [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []  # noqa: E731
@@ -630,3 +631,17 @@ def test_write_refuses_to_drop_a_finished_cell_it_can_no_longer_read(study, monk
     assert "reports sao/seed0 as done" in msg and st.records in msg and "--only 'sao/seed0'" in msg
     assert doc.read_text() == written  # nothing lost
     assert study_mod.main([str(path), "--report"]) == 0  # printing is still allowed
+
+
+def test_a_missing_vllm_virtualenv_stops_the_study_before_its_first_job(study, monkeypatch):
+    path, out, jobs = study
+    monkeypatch.undo()  # the real preflight (and _command: nothing may run at all)
+    monkeypatch.setenv("FAKE_LOG", str(path.parent / "jobs.jsonl"))
+    text = path.read_text() + "overrides: [rollout.vllm_python=/nonexistent/venv/bin/python]\n"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as err:
+        study_mod.main([str(path)])
+    msg = str(err.value)
+    assert msg.startswith("test study: nothing started: rollout.vllm_python=")
+    assert "/nonexistent/venv/bin/python" in msg and "make vllm" in msg
+    assert jobs() == [] and not (out / "_shared").exists()
