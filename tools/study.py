@@ -304,12 +304,17 @@ def _recorded(cell: Cell) -> bool:
     return cell.record_dir is not None and (cell.record_dir / DONE).exists()
 
 
+def _folder_state(folder: Path) -> str:
+    """A job folder's (a cell's, a shared stage's) "done", "unfinished" or "missing"."""
+    if (folder / DONE).exists():
+        return "done"
+    return "unfinished" if (folder / CELL).exists() else "missing"
+
+
 def state(cell: Cell) -> str:
     """ "done" (its run folder or its record says so), "unfinished" (started, not done: it
     resumes) or "missing"."""
-    if (cell.run_dir / DONE).exists() or _recorded(cell):
-        return "done"
-    return "unfinished" if (cell.run_dir / CELL).exists() else "missing"
+    return "done" if _recorded(cell) else _folder_state(cell.run_dir)
 
 
 def source(cell: Cell) -> Path:
@@ -726,7 +731,7 @@ def evaluate_horizons(study: Study, all_cells: list[Cell], evaluate=None) -> Non
         for c in all_cells
         if wants_horizon_eval(study, c)
         and (c.run_dir / DONE).exists()  # a recorded cell's policy is gone with its run folder
-        and horizon_result(source(c) / HORIZON, study) is None
+        and horizon_result(c.run_dir / HORIZON, study) is None
         and (c.record_dir is None or horizon_result(c.record_dir / HORIZON, study) is None)
     ]
     start = _start_policy(study, all_cells)
@@ -1142,13 +1147,7 @@ def _shared_plan(study: Study, all_cells: list[Cell]) -> list[str]:
     for stage, folder, total, runs in stages:
         if not runs:
             continue
-        st = (
-            "done"
-            if (folder / DONE).exists()
-            else "unfinished"
-            if (folder / CELL).exists()
-            else "missing"
-        )
+        st = _folder_state(folder)
         try:
             recs = [r for r in read_metrics(folder / stage) if "step" in r]
         except FileNotFoundError:
