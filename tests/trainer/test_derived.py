@@ -96,9 +96,15 @@ def test_a_seed_the_config_file_sets_wins_over_the_derived_one(tmp_path, caplog)
     job = _job("seed=3", path=config)
     assert _seeds(job) == (1237, 3, 0, 1_000_003)
     assert "rollout.seed=0 set explicitly (derived from seed=3: 3)" in _logged(job, caplog)
-    shipped = _job("seed=3", path=EXAMPLES / "quickstart.yaml")
+    # precision pinned: "auto" is bf16 on a CPU with AVX512-BF16/AMX, and there the shipped
+    # rollout.dtype=float32 is a deliberate override (logged); the seeds must log nothing
+    shipped = _job("seed=3", "precision.params_dtype=fp32", path=EXAMPLES / "quickstart.yaml")
     assert _seeds(shipped) == (1237, 3, 3, 1_000_003)
     assert _logged(shipped, caplog) == []
+    on_bf16 = _job("seed=3", "precision.params_dtype=bf16", path=EXAMPLES / "quickstart.yaml")
+    assert _logged(on_bf16, caplog) == [
+        "rollout.dtype=float32 set explicitly (derived from precision.params_dtype=bf16: bfloat16)"
+    ]
 
 
 def test_a_seed_whose_train_seed_is_the_heldout_seed_is_refused():
