@@ -38,6 +38,14 @@ and the report reads it when its run folder is gone. Commit the records with the
 ``--report --write`` refuses to replace a section that lists a finished cell the study can no
 longer read (neither run folder nor record), rather than drop its row.
 
+The shared stages' weights are not recorded (hundreds of MB), so a new machine redoes them; so
+that its cells start where the recorded ones did, each finished shared stage is *fingerprinted*
+(the SHA-256 of every loss, gradient norm and explained variance it logged, bit for bit) into
+``<records>/_shared/<stage>.json``, each cell says in ``shared_start.json`` which fingerprints it
+started from, and a redone stage that differs from the record stops the study before any cell
+starts from it, naming the figures that differ. The report says which cells came from which
+start.
+
 ``--report`` regenerates every table and the plot from the folders and records that exist and
 marks the cells that are missing or unfinished; two axes, always: held-out success against
 environment episodes consumed (robust to machine load) and against wall-clock (meaningful only
@@ -49,6 +57,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import gzip
+import hashlib
 import json
 import os
 import re
@@ -78,6 +87,12 @@ RUNNER = "runner.json"
 EVALS = "rl/eval.jsonl"
 METRICS = "rl/metrics.jsonl"
 METRICS_GZ = METRICS + ".gz"
+#: in a cell's run folder and record: the fingerprints (`stage_fingerprint`) of the shared
+#: stages it started from
+SHARED_START = "shared_start.json"
+#: the metric keys a shared stage's fingerprint hashes: what its weights determine (losses,
+#: gradient norms, accuracies, explained variances), not its clock
+FINGERPRINT_KEYS = re.compile(r"loss|grad_norm|accuracy|explained_variance")
 
 
 class StudyStopped(Exception):  # noqa: N818 - a control-flow outcome, not an error
@@ -343,7 +358,7 @@ def record_cell(cell: Cell) -> Path | None:
     tmp = cell.record_dir.with_name(cell.record_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "rl").mkdir(parents=True)
-    for name in (DONE, CELL, EVALS, HORIZON):
+    for name in (DONE, CELL, EVALS, HORIZON, SHARED_START):
         if (cell.run_dir / name).exists():
             shutil.copy2(cell.run_dir / name, tmp / name)
     with gzip.GzipFile(tmp / METRICS_GZ, "wb", mtime=0) as f:  # mtime 0: the same bytes again
@@ -353,15 +368,19 @@ def record_cell(cell: Cell) -> Path | None:
     return cell.record_dir
 
 
-def record_finished(all_cells: list[Cell]) -> list[Path]:
+def record_finished(all_cells: list[Cell], study: Study | None = None) -> list[Path]:
     """Record each finished cell whose record is missing or behind its run folder (a file
-    there that the record lacks or holds an older copy of); returns the records written."""
+    there that the record lacks or holds an older copy of); returns the records written. With
+    `study`, a finished cell that does not say which shared start it came from gets it first
+    (`infer_shared_start`)."""
     out = []
     for c in all_cells:
         if not (c.run_dir / DONE).exists() or c.record_dir is None:
             continue
+        if study is not None:
+            infer_shared_start(study, c)
         behind = not (c.record_dir / METRICS_GZ).exists()
-        for n in (DONE, CELL, EVALS, HORIZON):
+        for n in (DONE, CELL, EVALS, HORIZON, SHARED_START):
             mine, kept = c.run_dir / n, c.record_dir / n
             if mine.exists() and (not kept.exists() or kept.stat().st_mtime < mine.stat().st_mtime):
                 behind = True
@@ -594,6 +613,131 @@ def _shared_dirs(study: Study) -> tuple[Path, Path]:
     return shared / "sft", shared / "value_pretrain"
 
 
+# ---------------------------------------------------------------------------- shared starts
+def _cell_stages(study: Study, cell: Cell) -> list[tuple[str, Path]]:
+    """The shared stages (name, folder) a cell starts from."""
+    sft_dir, vp_dir = _shared_dirs(study)
+    out = [("sft", sft_dir)] if study.shared_sft else []
+    if study.shared_value_pretrain and cell.needs_value_model and not cell.own_value_pretrain:
+        out.append(("value_pretrain", vp_dir))
+    return out
+
+
+def stage_fingerprint(folder: Path, stage: str) -> dict | None:
+    """What identifies a finished shared stage's result without its weights (hundreds of MB,
+    never committed): its steps and the SHA-256 of every logged figure its weights determine
+    (`FINGERPRINT_KEYS`, each float by its exact bits; per step the records merged, the later
+    winning: a resumed stage's redone steps count once), with the last step's figures to read.
+    The same command on a machine whose kernels round alike gives the same digest (a replaced
+    VM redid GEM's SFT and value pre-training to identical figures, 2026-12-06). None while the
+    stage is not done (``study_done.json``)."""
+    if not (folder / DONE).exists():
+        return None
+    by_step: dict[int, dict] = {}
+    for r in read_metrics(folder / stage):
+        if "step" in r:
+            by_step.setdefault(int(r["step"]), {}).update(r)
+    rows = []
+    for step in sorted(by_step):
+        figs = {
+            k: float(v)
+            for k, v in sorted(by_step[step].items())
+            if FINGERPRINT_KEYS.search(k) and isinstance(v, int | float) and not isinstance(v, bool)
+        }
+        rows.append([step, [[k, v.hex()] for k, v in figs.items()], figs])
+    digest = hashlib.sha256(json.dumps([r[:2] for r in rows]).encode()).hexdigest()
+    import torch
+
+    return {
+        "stage": stage,
+        "steps": rows[-1][0] if rows else 0,
+        "digest": digest,
+        "last": rows[-1][2] if rows else {},
+        "finished_utc": time.strftime(
+            "%Y-%m-%d %H:%M:%S", time.gmtime((folder / DONE).stat().st_mtime)
+        ),
+        "cpu": benchlib.cpu_model(),
+        "torch": torch.__version__,
+    }
+
+
+def _start_record(study: Study, stage: str) -> Path:
+    return Path(study.records) / "_shared" / f"{stage}.json"
+
+
+def _recorded_starts(study: Study, stage: str, digest: str) -> list[str]:
+    """The recorded cells that say they started from the shared `stage` with `digest`."""
+    out = []
+    root = Path(study.records)
+    for path in sorted(root.glob(f"*/seed*/{SHARED_START}")):
+        if json.loads(path.read_text()).get(stage, {}).get("digest") == digest:
+            out.append(f"{path.parent.parent.name}/{path.parent.name}")
+    return out
+
+
+def check_shared_start(study: Study, stage: str, folder: Path) -> dict:
+    """The finished shared `stage`'s fingerprint, checked against the one recorded for the
+    study (``<records>/_shared/<stage>.json``, written the first time: commit it). A redone
+    stage (a new machine: ``runs/`` is not kept) must match it, else the cells it would start
+    are not from the recorded cells' start. Raises RuntimeError naming what differs, the cells
+    recorded from the old start and the fix."""
+    fp = stage_fingerprint(folder, stage)
+    if fp is None:
+        raise RuntimeError(f"shared {stage}: {folder} is not finished ({DONE} missing)")
+    path = _start_record(study, stage)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(fp, indent=1) + "\n")
+        print(f"[study] recorded the shared {stage}'s fingerprint in {path} (commit it)", flush=True)
+        return fp
+    kept = json.loads(path.read_text())
+    if kept["digest"] == fp["digest"]:
+        return fp
+    diffs = [f"steps {kept['steps']} -> {fp['steps']}"] if kept["steps"] != fp["steps"] else []
+    for k in sorted(set(kept["last"]) | set(fp["last"])):
+        a, b = kept["last"].get(k), fp["last"].get(k)
+        if a != b:
+            diffs.append(f"{k} {a} -> {b}")
+    old = _recorded_starts(study, stage, kept["digest"])
+    raise RuntimeError(
+        f"shared {stage}: {folder} is not the start recorded in {path} (made "
+        f"{kept['finished_utc']} UTC on '{kept['cpu']}', torch {kept['torch']}; this one on "
+        f"'{fp['cpu']}', torch {fp['torch']}): at the last step "
+        f"{'; '.join(diffs[:6]) or 'the same last figures, earlier steps differ'}. Its cells "
+        f"would not share a start with the recorded ones ({', '.join(old) or 'none'}). Run on a "
+        "machine whose kernels round alike (the same CPU family and torch), or start the study "
+        f"over from this start: `git rm -r {path}` and the records of those cells"
+    )
+
+
+def record_shared_starts(study: Study) -> None:
+    """Record the fingerprint of each finished shared stage that has none recorded yet (a
+    stage finished by a runner that predates fingerprints); a recorded one is left as it is
+    (the runner, not a report, refuses a stage that differs: `check_shared_start`)."""
+    sft_dir, vp_dir = _shared_dirs(study)
+    for stage, folder in (("sft", sft_dir), ("value_pretrain", vp_dir)):
+        if (folder / DONE).exists() and not _start_record(study, stage).exists():
+            check_shared_start(study, stage, folder)
+
+
+def infer_shared_start(study: Study, cell: Cell) -> None:
+    """Write a finished cell's missing ``shared_start.json`` when its start is certain: every
+    shared stage it uses is finished in this study's folder and finished before the cell's
+    first attempt began (a cell made by a runner that predates the file, on this machine)."""
+    if (cell.run_dir / SHARED_START).exists() or not (cell.run_dir / CELL).exists():
+        return
+    attempts = json.loads((cell.run_dir / CELL).read_text()).get("attempts") or []
+    began = attempts[0].get("start_utc") if attempts else None
+    starts = {}
+    for stage, folder in _cell_stages(study, cell):
+        fp = stage_fingerprint(folder, stage)
+        if fp is None or began is None or fp["finished_utc"] > began:
+            return
+        starts[stage] = fp
+    if starts:
+        (cell.run_dir / SHARED_START).write_text(json.dumps(starts, indent=1) + "\n")
+
+
 def preflight(study: Study) -> None:
     """What the study's jobs need and cannot make themselves, checked before its first job:
     the vLLM virtualenv of the local rollout engines (the SFT stage does not use them, so a
@@ -633,6 +777,7 @@ def run(study: Study, todo: list[Cell], selected: list[Cell] | None = None) -> N
             "shared SFT",
             shared=True,
         )
+        check_shared_start(study, "sft", sft_dir)
     needs_vp = any(c.needs_value_model and not c.own_value_pretrain for c in todo or selected)
     if needs_vp and study.shared_value_pretrain:
         _run_folder(
@@ -649,6 +794,7 @@ def run(study: Study, todo: list[Cell], selected: list[Cell] | None = None) -> N
             prepare=(lambda d: seed_from_sft(sft_dir, d)) if study.shared_sft else None,
             shared=True,
         )
+        check_shared_start(study, "value_pretrain", vp_dir)
     for i, cell in enumerate(todo, 1):
         if (Path(study.out) / STOP).exists():  # asked between two jobs
             (Path(study.out) / STOP).unlink()
@@ -659,6 +805,9 @@ def run(study: Study, todo: list[Cell], selected: list[Cell] | None = None) -> N
                 seed_from_sft(sft_dir, run_dir)
             if cell.needs_value_model and not cell.own_value_pretrain:
                 shutil.copytree(vp_dir / "checkpoints" / "rl", run_dir / "checkpoints" / "rl")
+            starts = {st: stage_fingerprint(d, st) for st, d in _cell_stages(study, cell)}
+            if starts:
+                (run_dir / SHARED_START).write_text(json.dumps(starts, indent=1) + "\n")
 
         _run_folder(
             study,
@@ -667,7 +816,7 @@ def run(study: Study, todo: list[Cell], selected: list[Cell] | None = None) -> N
             f"cell {i}/{len(todo)} {cell.name}",
             prepare=prepare,
         )
-        record_finished([cell])
+        record_finished([cell], study)
         evaluate_horizons(study, selected)
 
 
@@ -758,7 +907,7 @@ def evaluate_horizons(study: Study, all_cells: list[Cell], evaluate=None) -> Non
                 indent=1,
             )
         )
-    record_finished(all_cells)
+    record_finished(all_cells, study)
 
 
 def horizon_table(study: Study, all_cells: list[Cell]) -> str:
@@ -941,12 +1090,54 @@ def provenance_line(figs: list[CellFigures]) -> str:
     )
 
 
+def shared_start_line(study: Study, figs: list[CellFigures]) -> str:
+    """Which shared start the finished cells came from: the recorded fingerprint of each shared
+    stage (`check_shared_start`), the cells that say they started from it, from another, or do
+    not say (finished before starts were fingerprinted). Empty when nothing is recorded."""
+    parts = []
+    for stage, label in (("sft", "SFT"), ("value_pretrain", "value pre-training")):
+        path = _start_record(study, stage)
+        if not path.exists():
+            continue
+        kept = json.loads(path.read_text())
+        same, other, unsaid = [], [], []
+        for f in figs:
+            if f.state != "done" or stage not in dict(_cell_stages(study, f.cell)):
+                continue
+            said = source(f.cell) / SHARED_START
+            if not said.exists():
+                unsaid.append(f.cell.name)
+            elif json.loads(said.read_text()).get(stage, {}).get("digest") == kept["digest"]:
+                same.append(f.cell.name)
+            else:
+                other.append(f.cell.name)
+        last = ", ".join(f"{k} {v:.4g}" for k, v in list(kept["last"].items())[:3])
+        text = (
+            f"{label} `{kept['digest'][:12]}` ({kept['steps']} steps, {kept['finished_utc']} "
+            f"UTC; last step {last}): {len(same)} finished cell(s) from it"
+        )
+        if other:
+            text += f"; from another start: {', '.join(other)}"
+        if unsaid:
+            text += f"; not fingerprinted (finished before starts were): {', '.join(unsaid)}"
+        parts.append(text)
+    if not parts:
+        return ""
+    return (
+        "Shared start (fingerprint: SHA-256 of every loss, gradient norm and explained variance "
+        "the stage logged; a stage redone on a new machine must match it): "
+        + ". ".join(parts)
+        + "."
+    )
+
+
 def report_text(study: Study, figs: list[CellFigures], plot_rel: str | None) -> str:
     """The study's markdown: the matrix by group over seeds, then one row per cell."""
     groups: dict[str, list[CellFigures]] = {}
     for f in figs:
         groups.setdefault(f.cell.group, []).append(f)
     done = sum(f.state == "done" for f in figs)
+    starts = shared_start_line(study, figs)
     lines = [
         f"Study file `{study.name}`: `python tools/study.py STUDY.yaml` runs it (resumable), "
         f"`--report` regenerates this section. Config `{study.config}`, {study.rl_steps} RL "
@@ -959,6 +1150,7 @@ def report_text(study: Study, figs: list[CellFigures], plot_rel: str | None) -> 
         "",
         provenance_line(figs),
         "",
+        *([starts, ""] if starts else []),
         "| algorithm + variant | seeds done | held-out before | held-out after | after - before "
         "| collapsed | worst seed: lowest held-out after RL began | critic EV during RL |",
         "|---|---|---|---|---|---|---|---|",
@@ -1162,6 +1354,9 @@ def _shared_plan(study: Study, all_cells: list[Cell]) -> list[str]:
             else:
                 est = "unknown until it logs two steps"
         name = f"shared {stage}"
+        kept = _start_record(study, stage)
+        if kept.exists():
+            est += f"; must match the recorded start `{json.loads(kept.read_text())['digest'][:12]}`"
         lines.append(f"{name:40s} {st:11s} step {steps:4d}/{total}  {est}")
     return lines
 
@@ -1238,7 +1433,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.stop:
         print(stop_study(study))
         return 0
-    record_finished(all_cells)
+    record_shared_starts(study)
+    record_finished(all_cells, study)
     if args.report:
         if args.write:
             lost = lost_cells(study, all_cells, benchlib.DOC)

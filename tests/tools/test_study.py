@@ -31,7 +31,13 @@ run_dir = Path(sys.argv[1]); ov = dict(o.split("=", 1) for o in sys.argv[2:])
 with open(os.environ["FAKE_LOG"], "a") as f:
     f.write(json.dumps({"run_dir": str(run_dir), "stages": ov["stages"]}) + "\n")
 stages = ov["stages"]
+def log_steps(stage, key, first):  # what the real stage logs per step (a loss, the clock)
+    (run_dir / stage).mkdir(exist_ok=True)
+    with open(run_dir / stage / "metrics.jsonl", "a") as f:
+        for step in (1, 2):
+            f.write(json.dumps({"step": step, key: first / step, "time/unix": 1e9 + step}) + "\n")
 if stages == "[sft]":
+    log_steps("sft", "sft/loss", float(os.environ.get("FAKE_SFT_LOSS", "1.0")))
     (run_dir / "checkpoints" / "sft" / "step_00000010").mkdir(parents=True)
     (run_dir / "tokenizer").mkdir(); (run_dir / "tokenizer" / "t.model").write_text("tok")
     sys.exit(0)
@@ -43,6 +49,7 @@ if stages == "[value_pretrain]":
     assert (run_dir / "checkpoints" / "sft" / "step_00000010").is_dir(), "not seeded from SFT"
     (run_dir / "checkpoints" / "rl" / "step_00000000").mkdir(parents=True)
     (run_dir / "checkpoints" / "rl" / "step_00000000" / "critic").write_text("vp")
+    log_steps("value_pretrain", "value_pretrain/explained_variance", 0.25)
     hf("hf_policy")
     sys.exit(0)
 steps, seed = int(ov["rl.steps"]), int(ov["seed"])
@@ -573,6 +580,7 @@ def test_a_finished_cell_is_recorded_and_outlives_its_run_folder(study, monkeypa
         "cell.json",
         "rl/eval.jsonl",
         "rl/metrics.jsonl.gz",
+        "shared_start.json",
         "study_done.json",
     ]
     assert not (Path(st.records) / "sao" / "seed1").exists()  # not run: not recorded
@@ -645,3 +653,68 @@ def test_a_missing_vllm_virtualenv_stops_the_study_before_its_first_job(study, m
     assert msg.startswith("test study: nothing started: rollout.vllm_python=")
     assert "/nonexistent/venv/bin/python" in msg and "make vllm" in msg
     assert jobs() == [] and not (out / "_shared").exists()
+
+
+def test_a_redone_shared_start_must_match_the_recorded_one(study, monkeypatch, capsys):
+    """A new machine redoes the shared stages (their weights are not committed): the study
+    fingerprints each one when it finishes, records the fingerprint, and refuses to start cells
+    from a redone stage whose figures differ from the recorded one."""
+    path, out, jobs = study
+    assert study_mod.main([str(path), "--only", "sao/seed0,grpo/seed0"]) == 0
+    st = study_mod.load_study(path)
+    shared = Path(st.records) / "_shared"
+    sft = json.loads((shared / "sft.json").read_text())
+    vp = json.loads((shared / "value_pretrain.json").read_text())
+    assert (sft["stage"], sft["steps"], sft["last"]) == ("sft", 2, {"sft/loss": 0.5})
+    assert vp["last"] == {"value_pretrain/explained_variance": 0.125}  # not the clock
+    assert len(sft["digest"]) == 64 and sft["digest"] != vp["digest"]
+    assert "recorded the shared sft's fingerprint" in capsys.readouterr().out
+    # each cell says which start it came from: GRPO has no critic, so the SFT only
+    rec = Path(st.records)
+    said = json.loads((rec / "sao" / "seed0" / "shared_start.json").read_text())
+    assert {k: v["digest"] for k, v in said.items()} == {
+        "sft": sft["digest"],
+        "value_pretrain": vp["digest"],
+    }
+    said = json.loads((rec / "grpo" / "seed0" / "shared_start.json").read_text())
+    assert list(said) == ["sft"]
+    cells = study_mod.cells(st)
+    text = study_mod.report_text(st, [study_mod.figures(c) for c in cells], None)
+    assert f"SFT `{sft['digest'][:12]}` (2 steps" in text and "2 finished cell(s) from it" in text
+    assert f"value pre-training `{vp['digest'][:12]}`" in text
+    assert "1 finished cell(s) from it" in text  # sao/seed0: grpo has no value pre-training
+
+    import shutil
+
+    shutil.rmtree(out)  # a new machine, the same kernels: the same start, the study goes on
+    assert study_mod.main([str(path), "--only", "sao/seed1"]) == 0
+    said = json.loads((rec / "sao" / "seed1" / "shared_start.json").read_text())
+    assert said["sft"]["digest"] == sft["digest"]
+
+    shutil.rmtree(out)  # another machine whose SFT comes out different
+    monkeypatch.setenv("FAKE_SFT_LOSS", "0.9")
+    n = len(jobs())
+    with pytest.raises(RuntimeError) as err:
+        study_mod.main([str(path), "--only", "grpo/seed1"])
+    msg = str(err.value)
+    assert "is not the start recorded in" in msg and "sft/loss 0.5 -> 0.45" in msg
+    assert "grpo/seed0, sao/seed0, sao/seed1" in msg and f"git rm -r {shared / 'sft.json'}" in msg
+    assert [j["stages"] for j in jobs()[n:]] == ["[sft]"]  # no cell started from it
+    assert json.loads((shared / "sft.json").read_text()) == sft  # the record is untouched
+
+
+def test_a_cell_finished_before_starts_were_fingerprinted_gets_its_start_inferred(study):
+    path, out, _ = study
+    assert study_mod.main([str(path), "--only", "grpo/seed0"]) == 0
+    st = study_mod.load_study(path)
+    cell = next(c for c in study_mod.cells(st) if c.name == "grpo/seed0")
+    said = (cell.run_dir / "shared_start.json").read_text()
+    (cell.run_dir / "shared_start.json").unlink()  # as an older runner left it
+    study_mod.infer_shared_start(st, cell)  # begun after the SFT finished here: certain
+    assert (cell.run_dir / "shared_start.json").read_text() == said
+    (cell.run_dir / "shared_start.json").unlink()
+    record = json.loads((cell.run_dir / "cell.json").read_text())
+    record["attempts"][0]["start_utc"] = "2000-01-01 00:00:00"  # began before it: not certain
+    (cell.run_dir / "cell.json").write_text(json.dumps(record))
+    study_mod.infer_shared_start(st, cell)
+    assert not (cell.run_dir / "shared_start.json").exists()
