@@ -688,7 +688,8 @@ def check_shared_start(study: Study, stage: str, folder: Path) -> dict:
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(fp, indent=1) + "\n")
-        print(f"[study] recorded the shared {stage}'s fingerprint in {path} (commit it)", flush=True)
+        msg = f"[study] recorded the shared {stage}'s fingerprint in {path} (commit it)"
+        print(msg, flush=True)
         return fp
     kept = json.loads(path.read_text())
     if kept["digest"] == fp["digest"]:
@@ -1356,7 +1357,8 @@ def _shared_plan(study: Study, all_cells: list[Cell]) -> list[str]:
         name = f"shared {stage}"
         kept = _start_record(study, stage)
         if kept.exists():
-            est += f"; must match the recorded start `{json.loads(kept.read_text())['digest'][:12]}`"
+            digest = json.loads(kept.read_text())["digest"]
+            est += f"; must match the recorded start `{digest[:12]}`"
         lines.append(f"{name:40s} {st:11s} step {steps:4d}/{total}  {est}")
     return lines
 
