@@ -44,7 +44,8 @@ that its cells start where the recorded ones did, each finished shared stage is 
 ``<records>/_shared/<stage>.json``, each cell says in ``shared_start.json`` which fingerprints it
 started from, and a redone stage that differs from the record stops the study before any cell
 starts from it, naming the figures that differ. The report says which cells came from which
-start.
+start; the record also keeps the seconds the stage took, so that ``--plan`` prices redoing it
+(a new machine's sitting starts with them).
 
 ``--report`` regenerates every table and the plot from the folders and records that exist and
 marks the cells that are missing or unfinished; two axes, always: held-out success against
@@ -658,7 +659,22 @@ def stage_fingerprint(folder: Path, stage: str) -> dict | None:
         ),
         "cpu": benchlib.cpu_model(),
         "torch": torch.__version__,
+        "wall_s": _stage_wall_s(folder),
     }
+
+
+def _stage_wall_s(folder: Path) -> float | None:
+    """The seconds a job folder's attempts ran (their ``wall_s`` in ``cell.json``, summed):
+    what redoing a shared stage costs a new machine (`--plan`). Not part of the digest (the
+    clock is not the result). None when an attempt's time is unknown."""
+    try:
+        attempts = json.loads((folder / CELL).read_text()).get("attempts") or []
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    walls = [a.get("wall_s") for a in attempts]
+    if not walls or any(w is None for w in walls):
+        return None
+    return round(sum(walls), 1)
 
 
 def _start_record(study: Study, stage: str) -> Path:
@@ -693,6 +709,7 @@ def check_shared_start(study: Study, stage: str, folder: Path) -> dict:
         return fp
     kept = json.loads(path.read_text())
     if kept["digest"] == fp["digest"]:
+        _add_recorded_wall(path, kept, fp)
         return fp
     diffs = [f"steps {kept['steps']} -> {fp['steps']}"] if kept["steps"] != fp["steps"] else []
     for k in sorted(set(kept["last"]) | set(fp["last"])):
@@ -711,14 +728,30 @@ def check_shared_start(study: Study, stage: str, folder: Path) -> dict:
     )
 
 
+def _add_recorded_wall(path: Path, kept: dict, fp: dict) -> None:
+    """Give a recorded start that predates ``wall_s`` the time of a redone stage that matched
+    it (the same start, so the same job; the record is otherwise left as it is)."""
+    if kept.get("wall_s") is None and fp.get("wall_s") is not None:
+        path.write_text(json.dumps({**kept, "wall_s": fp["wall_s"]}, indent=1) + "\n")
+        print(f"[study] recorded the shared {fp['stage']}'s time in {path} (commit it)", flush=True)
+
+
 def record_shared_starts(study: Study) -> None:
     """Record the fingerprint of each finished shared stage that has none recorded yet (a
-    stage finished by a runner that predates fingerprints); a recorded one is left as it is
-    (the runner, not a report, refuses a stage that differs: `check_shared_start`)."""
+    stage finished by a runner that predates fingerprints), and the time of one whose record
+    predates ``wall_s`` when it matches; a recorded one is otherwise left as it is (the
+    runner, not a report, refuses a stage that differs: `check_shared_start`)."""
     sft_dir, vp_dir = _shared_dirs(study)
     for stage, folder in (("sft", sft_dir), ("value_pretrain", vp_dir)):
-        if (folder / DONE).exists() and not _start_record(study, stage).exists():
+        if not (folder / DONE).exists():
+            continue
+        path = _start_record(study, stage)
+        if not path.exists():
             check_shared_start(study, stage, folder)
+            continue
+        kept, fp = json.loads(path.read_text()), stage_fingerprint(folder, stage)
+        if fp is not None and kept["digest"] == fp["digest"]:
+            _add_recorded_wall(path, kept, fp)
 
 
 def infer_shared_start(study: Study, cell: Cell) -> None:
@@ -1317,10 +1350,12 @@ def lost_cells(study: Study, all_cells: list[Cell], doc: Path) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- plan
-def _shared_plan(study: Study, all_cells: list[Cell]) -> list[str]:
+def _shared_plan(study: Study, all_cells: list[Cell]) -> tuple[list[str], float]:
     """One line per shared stage the study runs: its state, steps logged of the config's, and
-    the time left at its own measured rate (seconds between its logged steps) once it has one.
-    A new machine has none of them (they are not recorded), and they come before any cell."""
+    the time left at its own measured rate (seconds between its logged steps) once it has one,
+    else, for a missing stage, the time its recorded start took (``wall_s`` of
+    ``<records>/_shared/<stage>.json``). A new machine has none of them (their weights are not
+    recorded), and they come before any cell. Also the seconds left that are known."""
     from sao_megatron.configs import load_config
     from sao_megatron.trainer.job import JobConfig
 
@@ -1336,7 +1371,7 @@ def _shared_plan(study: Study, all_cells: list[Cell]) -> list[str]:
             study.shared_value_pretrain and needs_vp,
         ),
     ]
-    lines = []
+    lines, left = [], 0.0
     for stage, folder, total, runs in stages:
         if not runs:
             continue
@@ -1346,21 +1381,24 @@ def _shared_plan(study: Study, all_cells: list[Cell]) -> list[str]:
         except FileNotFoundError:
             recs = []
         steps = max((int(r["step"]) for r in recs), default=0)
+        path = _start_record(study, stage)
+        kept = json.loads(path.read_text()) if path.exists() else None
         est = "-"
         if st != "done":
             times = [r["time/unix"] for r in recs if "time/unix" in r]
             if len(times) > 1 and total > steps:
                 rate = (times[-1] - times[0]) / (len(times) - 1)
+                left += (total - steps) * rate
                 est = f"~{(total - steps) * rate / 60:.0f} min (at most; its own rate)"
+            elif st == "missing" and kept is not None and kept.get("wall_s") is not None:
+                left += kept["wall_s"]
+                est = f"~{kept['wall_s'] / 60:.0f} min (the recorded start's)"
             else:
                 est = "unknown until it logs two steps"
-        name = f"shared {stage}"
-        kept = _start_record(study, stage)
-        if kept.exists():
-            digest = json.loads(kept.read_text())["digest"]
-            est += f"; must match the recorded start `{digest[:12]}`"
-        lines.append(f"{name:40s} {st:11s} step {steps:4d}/{total}  {est}")
-    return lines
+        if kept is not None:
+            est += f"; must match the recorded start `{kept['digest'][:12]}`"
+        lines.append(f"{'shared ' + stage:40s} {st:11s} step {steps:4d}/{total}  {est}")
+    return lines, left
 
 
 def plan_text(study: Study, all_cells: list[Cell]) -> str:
@@ -1372,7 +1410,8 @@ def plan_text(study: Study, all_cells: list[Cell]) -> str:
     for f in figs:
         if f.wall_s and f.steps:
             per_step.setdefault(f.cell.algorithm, []).append(f.wall_s / f.steps)
-    lines, left, unknown = _shared_plan(study, all_cells), 0.0, []
+    lines, shared_left = _shared_plan(study, all_cells)
+    left, unknown = 0.0, []
     for f in figs:
         rate = per_step.get(f.cell.algorithm)
         rate_s = sum(rate) / len(rate) if rate else study.seconds_per_step.get(f.cell.algorithm)
@@ -1385,7 +1424,10 @@ def plan_text(study: Study, all_cells: list[Cell]) -> str:
             unknown.append(f.cell.name)
             est = "unknown"
         lines.append(f"{f.cell.name:40s} {f.state:11s} step {f.steps:4d}/{study.rl_steps}  {est}")
-    lines.append(f"left: ~{left / 3600:.1f} h of RL (measured rates, else the study's hints)")
+    shared = f" + ~{shared_left / 60:.0f} min of shared stages" if shared_left else ""
+    lines.append(
+        f"left: ~{left / 3600:.1f} h of RL{shared} (measured rates, else the study's hints)"
+    )
     if study.horizon_eval is not None:
         paths = [_start_horizon_file(study)]
         paths += [source(c) / HORIZON for c in all_cells if wants_horizon_eval(study, c)]

@@ -38,6 +38,7 @@ def log_steps(stage, key, first):  # what the real stage logs per step (a loss, 
             f.write(json.dumps({"step": step, key: first / step, "time/unix": 1e9 + step}) + "\n")
 if stages == "[sft]":
     log_steps("sft", "sft/loss", float(os.environ.get("FAKE_SFT_LOSS", "1.0")))
+    import time; time.sleep(float(os.environ.get("FAKE_SFT_SECONDS", "0")))  # its wall-clock
     (run_dir / "checkpoints" / "sft" / "step_00000010").mkdir(parents=True)
     (run_dir / "tokenizer").mkdir(); (run_dir / "tokenizer" / "t.model").write_text("tok")
     sys.exit(0)
@@ -660,6 +661,7 @@ def test_a_redone_shared_start_must_match_the_recorded_one(study, monkeypatch, c
     fingerprints each one when it finishes, records the fingerprint, and refuses to start cells
     from a redone stage whose figures differ from the recorded one."""
     path, out, jobs = study
+    monkeypatch.setenv("FAKE_SFT_SECONDS", "0.3")
     assert study_mod.main([str(path), "--only", "sao/seed0,grpo/seed0"]) == 0
     st = study_mod.load_study(path)
     shared = Path(st.records) / "_shared"
@@ -668,6 +670,9 @@ def test_a_redone_shared_start_must_match_the_recorded_one(study, monkeypatch, c
     assert (sft["stage"], sft["steps"], sft["last"]) == ("sft", 2, {"sft/loss": 0.5})
     assert vp["last"] == {"value_pretrain/explained_variance": 0.125}  # not the clock
     assert len(sft["digest"]) == 64 and sft["digest"] != vp["digest"]
+    # what redoing it costs (its attempts' seconds, summed from the stage's cell.json)
+    attempts = json.loads((out / "_shared" / "sft" / "cell.json").read_text())["attempts"]
+    assert sft["wall_s"] == round(sum(a["wall_s"] for a in attempts), 1) >= 0.3
     assert "recorded the shared sft's fingerprint" in capsys.readouterr().out
     # each cell says which start it came from: GRPO has no critic, so the SFT only
     rec = Path(st.records)
@@ -687,7 +692,16 @@ def test_a_redone_shared_start_must_match_the_recorded_one(study, monkeypatch, c
     import shutil
 
     shutil.rmtree(out)  # a new machine, the same kernels: the same start, the study goes on
+    plan = study_mod.plan_text(st, cells).splitlines()  # priced at the recorded start's time
+    assert f"~{sft['wall_s'] / 60:.0f} min (the recorded start's); must match" in plan[0]
+    assert "min of shared stages" in plan[-1]
+    older = {k: v for k, v in sft.items() if k != "wall_s"}  # a record that predates wall_s
+    (shared / "sft.json").write_text(json.dumps(older, indent=1) + "\n")
     assert study_mod.main([str(path), "--only", "sao/seed1"]) == 0
+    filled = json.loads((shared / "sft.json").read_text())  # the match gives it the new time
+    assert filled["digest"] == sft["digest"] and filled["wall_s"] >= 0.3
+    assert "recorded the shared sft's time" in capsys.readouterr().out
+    sft = filled
     said = json.loads((rec / "sao" / "seed1" / "shared_start.json").read_text())
     assert said["sft"]["digest"] == sft["digest"]
 
