@@ -1205,7 +1205,7 @@ def report_text(study: Study, figs: list[CellFigures], plot_rel: str | None) -> 
             f"{_mse([f.after for f in fin])} | {delta} | {collapses} | {worst_text} | "
             f"{'-' if not ev[2] else f'{ev[0]:.2f}'} |"
         )
-    lines += ["", *per_seed_table(groups)]
+    lines += ["", *per_seed_table(groups), *paired_differences(groups)]
     lines += [
         "",
         "| cell | state | RL steps | held-out before -> after | RL wall s | max load avg |",
@@ -1269,6 +1269,39 @@ def per_seed_table(groups: dict[str, list[CellFigures]]) -> list[str]:
             row.append(f"**{text}**" if f.collapsed else text)
         lines.append(f"| {seed} | " + " | ".join(row) + " |")
     return lines
+
+
+def paired_differences(groups: dict[str, list[CellFigures]]) -> list[str]:
+    """The first group against each other one, seed by seed: held-out success after RL of the
+    first minus the other's on each seed both finished (the same SFT start and value
+    pre-training, so the seed's start cancels), in points, with the mean ± standard error of
+    those differences over the seeds (a paired comparison: tighter than the groups' own
+    spreads when the seeds' starts differ). Nothing when no seed has both finished."""
+    names = list(groups)
+    if len(names) < 2:
+        return []
+
+    def after(fs: list[CellFigures]) -> dict[int, float]:
+        return {f.cell.seed: f.after for f in fs if f.state == "done" and f.after is not None}
+
+    ref, out = after(groups[names[0]]), []
+    for name in names[1:]:
+        other = after(groups[name])
+        seeds = sorted(ref.keys() & other.keys())
+        if not seeds:
+            continue
+        diffs = [100 * (ref[s] - other[s]) for s in seeds]
+        m, se, n = mean_se(diffs)
+        mean = f"{m:+.1f} ± {se:.1f}" if n > 1 else f"{m:+.1f}"
+        out.append(
+            f"- {names[0]} - {name}: {' / '.join(f'{d:+.1f}' for d in diffs)} points (seed(s) "
+            f"{', '.join(map(str, seeds))}); mean {mean} over {n} seed(s); {names[0]} ahead on "
+            f"{sum(d > 0 for d in diffs)} of {n}"
+        )
+    if not out:
+        return []
+    head = f"Same-seed differences of held-out success after RL ({names[0]} minus each group):"
+    return ["", head, "", *out]
 
 
 def plot(study: Study, figs: list[CellFigures], path: Path) -> None:

@@ -294,6 +294,12 @@ def test_report_marks_missing_and_unfinished_cells_and_plan_prices_them(study, m
     assert "| seed | sao | grpo | sao+k1 |" in text
     assert "| 0 | 50.0% (50.0%) | 30.0% (30.0%) | 50.0% (50.0%) |" in text
     assert "| 1 | (step 2) | - | - |" in text
+    # paired by seed against the first group: seed 0 only (seed 1 of sao is unfinished)
+    pairs = [x for x in text.splitlines() if x.startswith("- sao - ")]
+    assert pairs == [
+        "- sao - grpo: +20.0 points (seed(s) 0); mean +20.0 over 1 seed(s); sao ahead on 1 of 1",
+        "- sao - sao+k1: +0.0 points (seed(s) 0); mean +0.0 over 1 seed(s); sao ahead on 0 of 1",
+    ]
     sao0 = next(f for f in figs if f.cell.name == "sao/seed0")
     # episodes counted from the start of RL (40 before it: value pre-training's)
     assert sao0.episodes == [(0.0, 0.1), (64.0, 0.5)] and sao0.walls == [(0.0, 0.1), (8.0, 0.5)]
@@ -312,6 +318,7 @@ def test_report_marks_missing_and_unfinished_cells_and_plan_prices_them(study, m
     text = study_mod.report_text(st, figs, None)
     assert "| sao | 2 of 2 | 10.5% ± 0.5 (n=2) | 50.5% ± 0.5 (n=2) | +40.0 ± 0.0 | 0 of 2 |" in text
     assert "| 1 | 51.0% (51.0%) | 31.0% (31.0%) | 51.0% (51.0%) |" in text
+    assert "- sao - grpo: +20.0 / +20.0 points (seed(s) 0, 1); mean +20.0 ± 0.0 over 2" in text
     sao1 = next(f for f in figs if f.cell.name == "sao/seed1")
     assert sao1.by_step == [(0, 0.11), (4, 0.51)] and sao1.lowest == 0.51
     img = out / "plot.png"
