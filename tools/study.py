@@ -749,7 +749,10 @@ def record_shared_starts(study: Study) -> None:
         if not path.exists():
             check_shared_start(study, stage, folder)
             continue
-        kept, fp = json.loads(path.read_text()), stage_fingerprint(folder, stage)
+        kept = json.loads(path.read_text())
+        if kept.get("wall_s") is not None:  # nothing to add: no need to re-read its metrics
+            continue
+        fp = stage_fingerprint(folder, stage)
         if fp is not None and kept["digest"] == fp["digest"]:
             _add_recorded_wall(path, kept, fp)
 
