@@ -27,6 +27,7 @@ from sao_megatron.trainer.checkpoint import (
     CheckpointError,
     CheckpointManager,
     CommonState,
+    clear_optimizer_state,
 )
 from sao_megatron.trainer.checkpoint import io as ckpt_io
 from tests.conftest import launch
@@ -545,6 +546,68 @@ def test_policy_and_optimizer_resume_continues_exactly(one_rank, tmp_path):
         result = mgr.load(mgr.resolve_resume(), parts(model, train, True))
         train.optimizer.load_state_dict(result.state_dicts["policy_optimizer"])
         step(train, 2)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p, expected[name], rtol=0, atol=0, msg=name)
+        destroy_parallel()
+    finally:
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tensor_model_parallel_size=1)
+
+
+def test_optimizer_saved_before_its_first_step_restarts_quietly(one_rank, tmp_path, caplog):
+    """A run saved right after value pre-training (policy step 0) holds an Adam with no
+    moments: resuming it is no layout change, so no warning, and its next step equals the
+    uninterrupted run's."""
+    from megatron.core import parallel_state as ps
+
+    from sao_megatron.models import build_policy
+    from sao_megatron.optim import OptimizerConfig, PrecisionConfig, build_optimizer
+    from sao_megatron.parallel import ParallelConfig, destroy_parallel, initialize_parallel
+
+    model_cfg = _small_moe(num_hidden_layers=1, num_experts=2)
+
+    def build():
+        parallel = initialize_parallel(ParallelConfig(seed=3))
+        chunks = build_policy(model_cfg, parallel, PrecisionConfig())
+        return chunks[0], build_optimizer(
+            chunks, parallel, OptimizerConfig(lr=1e-2), PrecisionConfig()
+        )
+
+    def step(train):
+        g = torch.Generator().manual_seed(5)
+        for p in train.model[0].parameters():
+            p.main_grad.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        assert train.step()[0]
+
+    def parts(model, train, loading):
+        return {
+            "policy": model.sharded_state_dict(),
+            "policy_optimizer": train.optimizer.sharded_state_dict(
+                model.sharded_state_dict(), is_loading=loading
+            ),
+        }
+
+    ps.destroy_model_parallel()
+    try:
+        mgr = CheckpointManager(CheckpointConfig(save_dir=str(tmp_path)))
+        model, train = build()
+        path = mgr.save(parts(model, train, False), CommonState(train_step=0))
+        step(train)
+        expected = {k: v.detach().clone() for k, v in model.named_parameters()}
+        destroy_parallel()
+
+        model, train = build()
+        caplog.clear()
+        caplog.set_level(logging.INFO, logger="sao_megatron.trainer")
+        result = mgr.load(path, parts(model, train, True))  # not optional: still no error
+        reason = result.skipped_parts["policy_optimizer"]
+        assert reason.startswith("saved before the optimiser's first step")
+        assert ("INFO", f"not loading part 'policy_optimizer' of {path}: {reason}") in (
+            _job_log(caplog)
+        )
+        assert not [m for lvl, m in _job_log(caplog) if lvl == "WARNING"]
+        clear_optimizer_state(train.optimizer)  # as the trainer does for a part not loaded
+        step(train)
         for name, p in model.named_parameters():
             torch.testing.assert_close(p, expected[name], rtol=0, atol=0, msg=name)
         destroy_parallel()

@@ -28,6 +28,7 @@ from sao_megatron.trainer.checkpoint.manifest import (
     LATEST_NAME,
     MANIFEST_NAME,
     STEP_RE,
+    UNSTEPPED,
     build_manifest,
     check_part_compatible,
     find_resume_point,
@@ -343,7 +344,9 @@ class CheckpointManager:
         tensors, and each object in ``states`` gets ``load_state_dict``. Names in
         ``optional_parts`` that do not match (e.g. an optimiser after an EP change, a Stateful
         the checkpoint lacks) are skipped and reported in ``LoadResult.skipped_parts`` with a
-        warning; any other mismatch raises.
+        warning; any other mismatch raises. An optimiser part saved before its first step (no
+        Adam moments) is skipped for every caller and reported at INFO: a fresh optimiser is
+        the state it was saved in.
 
         Args:
             path: a step folder (use `resolve_resume` to pick it).
@@ -393,9 +396,17 @@ class CheckpointManager:
             skipped[name] = reason
         local = {n: check_part_compatible(sd, path / n) for n, sd in sharded_state_dicts.items()}
         gathered = coll.all_gather_object(local)
+        unstepped: list[str] = []
         for name in sharded_state_dicts:
             problems = [f"rank {r}: {p}" for r, g in enumerate(gathered) for p in g[name]]
             if not problems:
+                continue
+            if all(p.startswith(UNSTEPPED) for g in gathered for p in g[name]):
+                unstepped.append(name)
+                skipped[name] = (
+                    f"{UNSTEPPED} (no moment estimates in it); it starts fresh, which is "
+                    "exactly the state it was saved in"
+                )
                 continue
             reason = (
                 f"layout {manifest.get('layout')} (world {manifest.get('world_size')}) -> "
@@ -410,7 +421,8 @@ class CheckpointManager:
             skipped[name] = reason
         if coll.rank() == 0:
             for name, reason in skipped.items():
-                logger.warning("not loading part '%s' of %s: %s", name, path, reason)
+                log = logger.info if name in unstepped else logger.warning
+                log("not loading part '%s' of %s: %s", name, path, reason)
         state_dicts = {
             name: dist_checkpointing.load(sd, str(path / name))
             for name, sd in sharded_state_dicts.items()

@@ -253,9 +253,10 @@ def check_part_compatible(sharded_state_dict: Any, part_dir: str | os.PathLike) 
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
     saved = load_sharded_metadata(str(part_dir))
-    problems = []
+    problems, missing = [], []
     for key, (shape, allow_mismatch) in _requested_shards(sharded_state_dict).items():
         if key not in saved:
+            missing.append(key)
             problems.append(f"'{key}' not in checkpoint")
         elif shape is not None and not allow_mismatch:
             saved_shape = tuple(saved[key].global_shape)
@@ -263,4 +264,18 @@ def check_part_compatible(sharded_state_dict: Any, part_dir: str | os.PathLike) 
                 problems.append(
                     f"'{key}' global shape {list(saved_shape)} != requested {list(shape)}"
                 )
+    if (
+        missing
+        and len(missing) == len(problems)
+        and all(k.startswith(_MOMENTS) for k in missing)
+        and not any(k.startswith(_MOMENTS) for k in saved)
+    ):
+        return [f"{UNSTEPPED}: it holds none of the {len(missing)} requested '{_MOMENTS}*' keys"]
     return problems
+
+
+_MOMENTS = "optimizer.state."
+UNSTEPPED = "saved before the optimiser's first step"
+"""Prefix of `check_part_compatible`'s one problem for an optimiser part saved before any step
+(Adam had no moment estimates yet): restarting it fresh restores it exactly, so a loader may
+treat it as expected rather than as a layout change."""
