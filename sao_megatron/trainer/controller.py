@@ -196,7 +196,7 @@ class Controller:
             rl.rollout.start()
         try:
             if "rl" in self.job.stages and rl.run.step == 0:
-                before = evaluate_heldout(ctx, rl.rollout)
+                before = evaluate_heldout(ctx, rl.rollout, 0)
                 self.summary |= {f"before/{k}": v for k, v in before.items()}
                 if self.rank0:  # saved now: a crash or a resume must not lose them
                     report.update_summary(self.run_dir, self.summary)
@@ -239,7 +239,7 @@ class Controller:
                 ctx.train_parallel,
                 self.run_dir / "hf_policy_final",
             )
-        after = evaluate_heldout(ctx, rl.rollout)
+        after = evaluate_heldout(ctx, rl.rollout, rl.run.step)
         log_eval(ctx, rl.run.step, after)
         self.summary |= {f"after/{k}": v for k, v in after.items()}
         self.summary |= {k: v for k, v in m.items() if k.startswith(("deviation/", "throughput/"))}

@@ -3,6 +3,9 @@
 Episodes run on the rollout engines (the same episode loop as training, `run_episode`) with
 seeds from the job's eval stream, so "before RL" and "after RL" are measured on the very same
 tasks. A task counts as solved when its episode's total reward is >= `success_threshold`.
+With ``episodes_path`` every held-out episode is also written out, one JSON line each (its
+task, seed, outcome and the decoded turns: `episode_record`), so a user can read what the policy
+did and two evaluations of the same tasks can be compared task by task.
 """
 
 from __future__ import annotations
@@ -10,9 +13,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import json
 import logging
 import math
+import os
 import random
+from pathlib import Path
 
 from sao_megatron.data.episode import EpisodeFormatter
 from sao_megatron.envs.base import EnvSpec, episode_metrics, task_id
@@ -64,6 +70,7 @@ def evaluate(
     rollout: RolloutConfig,
     success_threshold: float = 1.0,
     max_concurrency: int = 16,
+    episodes_path: str | os.PathLike | None = None,
 ) -> dict[str, float]:
     """Run `num_tasks` held-out episodes per environment on the engines at `urls`.
 
@@ -78,6 +85,9 @@ def evaluate(
     per-move error rates). Episodes are spread round-robin
     over the engines; an episode that fails (EpisodeError) counts as unsolved and is counted in
     num_errors.
+
+    episodes_path: when given, a JSON-lines file (parent folders created, replaced atomically)
+    with one `episode_record` per held-out episode, in task order (environment, then seed).
     """
     cfg = dataclasses.replace(rollout, seed=rollout.seed if rollout.seed is not None else base_seed)
     labels = eval_labels(envs)
@@ -117,14 +127,16 @@ def evaluate(
                         traj = await run_episode(env=env, **kw)
                 except EpisodeError as e:
                     log.warning("eval episode failed: %s", e)
+                    errors[k] = str(e)
                     return label, None
                 return label, traj
 
-        jobs = []
+        jobs, seeds, errors = [], [], {}
         k = 0
         for j, (spec, label) in enumerate(zip(envs, labels, strict=True)):
             for seed in eval_seeds(base_seed, j, num_tasks):
                 jobs.append(one(k, spec, label, seed))
+                seeds.append(seed)
                 k += 1
         try:
             results = await asyncio.gather(*jobs)
@@ -134,6 +146,12 @@ def evaluate(
             from sao_megatron.rollout.gateway import close_shared_gateway
 
             await close_shared_gateway()
+        if episodes_path is not None:
+            records = [
+                episode_record(label, seed, traj, formatter, success_threshold, error=errors.get(i))
+                for i, ((label, traj), seed) in enumerate(zip(results, seeds, strict=True))
+            ]
+            write_episodes(episodes_path, records)
         return _summarise(results, labels, success_threshold, dict(zip(labels, envs, strict=True)))
 
     return asyncio.run(main())
@@ -178,3 +196,88 @@ def _solved(traj, threshold: float) -> bool:
     if isinstance(traj.info.get("success"), bool):
         return traj.info["success"]
     return traj.total_reward >= threshold - 1e-6
+
+
+def episode_record(
+    label: str,
+    seed: int,
+    traj,
+    formatter: EpisodeFormatter,
+    threshold: float = 1.0,
+    *,
+    error: str | None = None,
+) -> dict:
+    """One held-out episode as a JSON-able dict.
+
+    Keys: ``env`` (the eval label), ``seed`` (the environment's seed: the same task in every
+    evaluation of a job with the same ``tasks.eval_seed``), ``task_id``, ``solved`` (bool, as the
+    success rate counts it), ``total_reward``, ``num_turns``, ``status`` (how the episode ended:
+    `sao_megatron.rollout.status.EpisodeStatus`, or "error" with ``error`` its message),
+    ``terminated``, ``truncated``, ``info`` (the environment's final info, values that are not
+    JSON numbers, strings or booleans written as strings) and ``turns``: one
+    ``{"observation", "action", "reward"}`` per agent turn, the text decoded from the token ids
+    (the observation is what was appended to the context before that action: the first turn's
+    holds the rendered prompt).
+    """
+    if traj is None:
+        return {
+            "env": label,
+            "seed": seed,
+            "task_id": None,
+            "solved": False,
+            "total_reward": 0.0,
+            "num_turns": 0,
+            "status": "error",
+            "error": error,
+            "turns": [],
+        }
+    decode = formatter.tokenizer.decode
+    return {
+        "env": label,
+        "seed": seed,
+        "task_id": traj.task_id,
+        "solved": _solved(traj, threshold),
+        "total_reward": traj.total_reward,
+        "num_turns": len(traj.nodes),
+        "status": traj.status,
+        "terminated": traj.terminated,
+        "truncated": traj.truncated,
+        "info": {str(k): _json_value(v) for k, v in traj.info.items()},
+        "turns": [
+            {
+                "observation": decode(list(n.observation_token_ids)),
+                "action": decode(list(n.action_token_ids)),
+                "reward": float(n.reward),
+            }
+            for n in traj.nodes
+        ],
+    }
+
+
+def _json_value(v):
+    if isinstance(v, bool | int | str) or v is None:
+        return v
+    if isinstance(v, float):
+        return v if math.isfinite(v) else str(v)
+    return str(v)
+
+
+def write_episodes(path: str | os.PathLike, records: list[dict]) -> Path:
+    """Write `records` as JSON lines to `path` (a temporary file renamed over it)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_episodes(path: str | os.PathLike) -> list[dict]:
+    """The records `write_episodes` wrote (gzip when the name ends in .gz)."""
+    import gzip
+
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -115,6 +115,8 @@ class LoggingConfig:
             else (a log file, a SLURM .out) one plain line every ``progress_interval`` steps
             and at the last step, never ``\r``-joined bar redraws.
         progress_interval: steps between the plain progress lines (>= 1).
+        eval_episodes: write every held-out episode of each evaluation (task, seed, outcome,
+            decoded turns) to run_dir/rl/eval_episodes/step_<step>.jsonl (~1-3 KB an episode).
     """
 
     #: former fields -> the fix, for migration errors (sao_megatron.configs)
@@ -128,6 +130,7 @@ class LoggingConfig:
     log_interval: int = 1
     console: bool = True
     progress_interval: int = 10
+    eval_episodes: bool = True
 
     def __post_init__(self) -> None:
         if self.log_interval < 1:

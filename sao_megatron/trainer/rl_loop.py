@@ -33,13 +33,21 @@ from sao_megatron.trainer.rl_parts import RLParts
 from sao_megatron.weight_sync import publish_policy
 
 log = logging.getLogger("sao_megatron.trainer")
+EVAL_EPISODES_DIR = "eval_episodes"  # under run_dir/rl: one JSON-lines file per evaluation
 
 
-def evaluate_heldout(ctx: JobContext, rollout) -> dict[str, float]:
+def evaluate_heldout(ctx: JobContext, rollout, step: int) -> dict[str, float]:
     """Held-out evaluation of the engines' current policy (rank 0 runs it, every rank gets
-    the figures; {} without a rollout or with ``tasks.num_eval_tasks: 0``)."""
+    the figures; {} without a rollout or with ``tasks.num_eval_tasks: 0``). With
+    ``logging.eval_episodes`` (default on) rank 0 also writes every episode to
+    run_dir/rl/eval_episodes/step_<step, 8 digits>.jsonl (`evaluate.episode_record`)."""
     job, out = ctx.job, None
     if rollout is not None and job.tasks.num_eval_tasks:
+        episodes = (
+            ctx.run_dir / "rl" / EVAL_EPISODES_DIR / f"step_{step:08d}.jsonl"
+            if ctx.rank0 and job.logging.eval_episodes
+            else None
+        )
         out = evaluate(
             rollout.urls,
             job.tasks.eval_envs,
@@ -47,6 +55,7 @@ def evaluate_heldout(ctx: JobContext, rollout) -> dict[str, float]:
             base_seed=job.tasks.eval_seed,
             formatter=ctx.formatter,
             rollout=job.rollout,
+            episodes_path=episodes,
         )
     return broadcast_from_rank0(out) or {}
 
@@ -180,7 +189,7 @@ class RLLoop:
         )
         if by_step or by_time:
             t_eval = time.perf_counter()
-            metrics = evaluate_heldout(self.ctx, self.rl.rollout)
+            metrics = evaluate_heldout(self.ctx, self.rl.rollout, step)
             log_eval(self.ctx, step, metrics | {"time/rl_elapsed_s": elapsed})
             self.eval_s += time.perf_counter() - t_eval  # not on the stage's clock
             self.last_eval_s = elapsed

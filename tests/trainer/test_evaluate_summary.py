@@ -105,3 +105,62 @@ def test_each_environment_adds_its_own_metrics_through_the_registry():
     assert out["eval/hanoi/non_optimal_move_rate"] == 0.0
     assert out["eval/hanoi/num_moves"] == 4.0
     assert not any(k.startswith("eval/chain_sum/") and "move" in k for k in out)
+
+
+class _Decoder:
+    """A formatter stand-in whose tokenizer decodes id k to the k-th letter."""
+
+    class tokenizer:  # noqa: N801 - the attribute name EpisodeFormatter has
+        @staticmethod
+        def decode(ids):
+            return "".join(chr(ord("a") + i) for i in ids)
+
+
+def test_episode_records_match_the_summary_and_round_trip(tmp_path):
+    from sao_megatron.trainer.evaluate import episode_record, read_episodes, write_episodes
+
+    won = _traj([0.25, 0.75], {"success": True, "guess": [3, 5], "score": float("nan")})
+    won.nodes[1].observation_token_ids = [7, 4]
+    lost = _traj([0.5], {"success": False})
+    results = [("gem", won), ("gem", lost), ("gem", None)]
+    records = [
+        episode_record(label, seed, t, _Decoder, error="engine died" if t is None else None)
+        for (label, t), seed in zip(results, [11, 12, 13], strict=True)
+    ]
+    path = write_episodes(tmp_path / "rl" / "eval_episodes" / "step_00000000.jsonl", records)
+    back = read_episodes(path)
+    assert back == records and not path.with_name(path.name + ".tmp").exists()
+    summary = _summarise(results, ["gem"], threshold=1.0)
+    assert sum(r["solved"] for r in back) / len(back) == summary["eval/gem/success_rate"]
+    mean_reward = sum(r["total_reward"] for r in back) / 3
+    assert mean_reward == pytest.approx(summary["eval/gem/mean_reward"])
+    first = back[0]
+    assert (first["seed"], first["task_id"], first["num_turns"], first["status"]) == (
+        11,
+        "t",
+        2,
+        "completed",
+    )
+    assert first["turns"] == [
+        {"observation": "b", "action": "c", "reward": 0.25},
+        {"observation": "he", "action": "c", "reward": 0.75},
+    ]
+    # info values that are not JSON scalars are strings; a non-finite float too
+    assert first["info"] == {"success": True, "guess": "[3, 5]", "score": "nan"}
+    assert back[2] == {
+        "env": "gem",
+        "seed": 13,
+        "task_id": None,
+        "solved": False,
+        "total_reward": 0.0,
+        "num_turns": 0,
+        "status": "error",
+        "error": "engine died",
+        "turns": [],
+    }
+    # gzipped (as a study records them) reads back the same
+    import gzip
+
+    gz = tmp_path / "step.jsonl.gz"
+    gz.write_bytes(gzip.compress(path.read_bytes()))
+    assert read_episodes(gz) == records

@@ -89,6 +89,18 @@ def _check_run(
         # no trained token is older than max_staleness policy versions (logged, per batch)
         assert r["deviation/version_lag_max"] <= max_staleness
         assert r["deviation/abs_one_minus_ratio_mean"] < 0.05  # fp32 engine == trainer
+    # every held-out episode on disk, agreeing with its evaluation's figures (two evaluations
+    # of one step write one file: the last one's)
+    for ev in {e["step"]: e for e in evals}.values():
+        eps = _records(run_dir / "rl" / "eval_episodes" / f"step_{ev['step']:08d}.jsonl")
+        labels = {k.split("/")[1] for k in ev if k.endswith("/num_tasks")}
+        assert len(eps) == sum(ev[f"eval/{lb}/num_tasks"] for lb in labels)
+        for lb in labels:
+            mine = [e for e in eps if e["env"] == lb]
+            solved = sum(e["solved"] for e in mine) / len(mine)
+            assert solved == pytest.approx(ev[f"eval/{lb}/success_rate"])
+            assert all(len(e["turns"]) == e["num_turns"] for e in mine)
+            assert all(e["turns"][0]["observation"] for e in mine if e["turns"])
     summary = json.loads((run_dir / "summary.json").read_text())
     assert 0.0 <= summary["after/eval/success_rate"] <= 1.0
     assert (run_dir / "checkpoints" / "rl" / "latest").exists()
