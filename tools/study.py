@@ -32,9 +32,10 @@ critic: it pre-trains its own).
 
 A finished cell is also *recorded* in the repository (``records``, default
 ``examples/studies/records/<study file name>``: its ``cell.json``, ``study_done.json``, held-out
-evaluations and gzipped RL metrics, tens of KB), because ``runs/`` is not committed and a
-machine can be replaced between sittings: a cell recorded there counts as done (never rerun)
-and the report reads it when its run folder is gone. Commit the records with the report.
+evaluations, gzipped RL metrics and gzipped held-out episodes: tens to hundreds of KB),
+because ``runs/`` is not committed and a machine can be replaced between sittings: a cell
+recorded there counts as done (never rerun) and the report reads it when its run folder is
+gone. Commit the records with the report.
 ``--report --write`` refuses to replace a section that lists a finished cell the study can no
 longer read (neither run folder nor record), rather than drop its row.
 
@@ -88,6 +89,9 @@ RUNNER = "runner.json"
 EVALS = "rl/eval.jsonl"
 METRICS = "rl/metrics.jsonl"
 METRICS_GZ = METRICS + ".gz"
+#: the held-out episodes of each evaluation (`logging.eval_episodes`), kept gzipped (~100 KB a
+#: 256-episode evaluation): the same tasks in every cell, so cells compare task by task
+EPISODES = "rl/eval_episodes"
 #: in a cell's run folder and record: the fingerprints (`stage_fingerprint`) of the shared
 #: stages it started from
 SHARED_START = "shared_start.json"
@@ -364,6 +368,10 @@ def record_cell(cell: Cell) -> Path | None:
             shutil.copy2(cell.run_dir / name, tmp / name)
     with gzip.GzipFile(tmp / METRICS_GZ, "wb", mtime=0) as f:  # mtime 0: the same bytes again
         f.write((cell.run_dir / METRICS).read_bytes())
+    for episodes in sorted((cell.run_dir / EPISODES).glob("step_*.jsonl")):
+        (tmp / EPISODES).mkdir(exist_ok=True)
+        with gzip.GzipFile(tmp / EPISODES / (episodes.name + ".gz"), "wb", mtime=0) as f:
+            f.write(episodes.read_bytes())
     shutil.rmtree(cell.record_dir, ignore_errors=True)
     tmp.rename(cell.record_dir)
     return cell.record_dir

@@ -66,6 +66,8 @@ if not done:
     with open(rl / "eval.jsonl", "a") as f:
         first = {"step": 0, "eval/success_rate": 0.1 + 0.01 * seed, "eval/turns": 5.0}
         f.write(json.dumps(first) + "\n")
+    (rl / "eval_episodes").mkdir(exist_ok=True)
+    (rl / "eval_episodes" / "step_00000000.jsonl").write_text('{"seed": 1, "solved": false}\n')
 for step in range(start + 1, steps + 1):
     with open(metrics, "a") as f:
         f.write(json.dumps({"step": step, "time/rl_elapsed_s": 2.0 * step,
@@ -587,10 +589,15 @@ def test_a_finished_cell_is_recorded_and_outlives_its_run_folder(study, monkeypa
     assert sorted(str(p.relative_to(rec)) for p in rec.rglob("*") if p.is_file()) == [
         "cell.json",
         "rl/eval.jsonl",
+        "rl/eval_episodes/step_00000000.jsonl.gz",
         "rl/metrics.jsonl.gz",
         "shared_start.json",
         "study_done.json",
     ]
+    import gzip
+
+    kept = gzip.decompress((rec / "rl/eval_episodes/step_00000000.jsonl.gz").read_bytes())
+    assert kept == b'{"seed": 1, "solved": false}\n'
     assert not (Path(st.records) / "sao" / "seed1").exists()  # not run: not recorded
     before = {n: study_mod.figures(cells[n]) for n in ("sao/seed0", "grpo/seed0")}
     text_before = study_mod.report_text(st, list(before.values()), None)
