@@ -500,37 +500,50 @@ def test_two_ranks_resharded_load(tmp_path):
 
 
 # ---------------------------------------------------------------- real policy + optimiser --------
+def _build_policy_and_optimizer(model_cfg, optim):
+    """(policy chunk, its Megatron optimiser bundle) at 1 rank, parallel seed 3."""
+    from sao_megatron.models import build_policy
+    from sao_megatron.optim import PrecisionConfig, build_optimizer
+    from sao_megatron.parallel import ParallelConfig, initialize_parallel
+
+    parallel = initialize_parallel(ParallelConfig(seed=3))
+    chunks = build_policy(model_cfg, parallel, PrecisionConfig())
+    return chunks[0], build_optimizer(chunks, parallel, optim, PrecisionConfig())
+
+
+def _random_step(train, seed: int) -> float:
+    """One optimiser update on N(0, 0.1) gradients drawn from `seed`; returns the LR it used."""
+    lr = train.optimizer.param_groups[0]["lr"]
+    g = torch.Generator().manual_seed(seed)
+    for p in train.model[0].parameters():
+        p.main_grad.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    assert train.step()[0]
+    return lr
+
+
+def _policy_parts(model, train, loading: bool) -> dict:
+    """The policy and policy_optimizer sharded state dicts, as the trainer saves them."""
+    return {
+        "policy": model.sharded_state_dict(),
+        "policy_optimizer": train.optimizer.sharded_state_dict(
+            model.sharded_state_dict(), is_loading=loading
+        ),
+    }
+
+
 def test_policy_and_optimizer_resume_continues_exactly(one_rank, tmp_path):
     """MoE policy + Megatron Adam: the resumed run's next step equals the uninterrupted one."""
     from megatron.core import parallel_state as ps
 
-    from sao_megatron.models import build_policy
-    from sao_megatron.optim import OptimizerConfig, PrecisionConfig, build_optimizer
-    from sao_megatron.parallel import ParallelConfig, destroy_parallel, initialize_parallel
+    from sao_megatron.optim import OptimizerConfig
+    from sao_megatron.parallel import destroy_parallel
 
     model_cfg = _small_moe(num_hidden_layers=2, num_experts=4)
 
     def build():
-        parallel = initialize_parallel(ParallelConfig(seed=3))
-        chunks = build_policy(model_cfg, parallel, PrecisionConfig())
-        return chunks[0], build_optimizer(
-            chunks, parallel, OptimizerConfig(lr=1e-2), PrecisionConfig()
-        )
+        return _build_policy_and_optimizer(model_cfg, OptimizerConfig(lr=1e-2))
 
-    def step(train, seed):
-        g = torch.Generator().manual_seed(seed)
-        for p in train.model[0].parameters():
-            p.main_grad.copy_(torch.randn(p.shape, generator=g) * 0.1)
-        assert train.step()[0]
-
-    def parts(model, train, loading):
-        model_sd = model.sharded_state_dict()
-        return {
-            "policy": model_sd,
-            "policy_optimizer": train.optimizer.sharded_state_dict(
-                model.sharded_state_dict(), is_loading=loading
-            ),
-        }
+    step, parts = _random_step, _policy_parts
 
     ps.destroy_model_parallel()
     try:
@@ -560,32 +573,18 @@ def test_optimizer_saved_before_its_first_step_restarts_quietly(one_rank, tmp_pa
     uninterrupted run's."""
     from megatron.core import parallel_state as ps
 
-    from sao_megatron.models import build_policy
-    from sao_megatron.optim import OptimizerConfig, PrecisionConfig, build_optimizer
-    from sao_megatron.parallel import ParallelConfig, destroy_parallel, initialize_parallel
+    from sao_megatron.optim import OptimizerConfig
+    from sao_megatron.parallel import destroy_parallel
 
     model_cfg = _small_moe(num_hidden_layers=1, num_experts=2)
 
     def build():
-        parallel = initialize_parallel(ParallelConfig(seed=3))
-        chunks = build_policy(model_cfg, parallel, PrecisionConfig())
-        return chunks[0], build_optimizer(
-            chunks, parallel, OptimizerConfig(lr=1e-2), PrecisionConfig()
-        )
+        return _build_policy_and_optimizer(model_cfg, OptimizerConfig(lr=1e-2))
 
     def step(train):
-        g = torch.Generator().manual_seed(5)
-        for p in train.model[0].parameters():
-            p.main_grad.copy_(torch.randn(p.shape, generator=g) * 0.1)
-        assert train.step()[0]
+        _random_step(train, 5)
 
-    def parts(model, train, loading):
-        return {
-            "policy": model.sharded_state_dict(),
-            "policy_optimizer": train.optimizer.sharded_state_dict(
-                model.sharded_state_dict(), is_loading=loading
-            ),
-        }
+    parts = _policy_parts
 
     ps.destroy_model_parallel()
     try:
@@ -623,34 +622,16 @@ def test_lr_schedule_resumed_inside_warmup_matches_uninterrupted(one_rank, tmp_p
     checkpointed as a Stateful ("stateful") or as a dict in CommonState.extra ("extra")."""
     from megatron.core import parallel_state as ps
 
-    from sao_megatron.models import build_policy
-    from sao_megatron.optim import OptimizerConfig, PrecisionConfig, build_optimizer
-    from sao_megatron.parallel import ParallelConfig, destroy_parallel, initialize_parallel
+    from sao_megatron.optim import OptimizerConfig
+    from sao_megatron.parallel import destroy_parallel
 
     model_cfg = _small_moe(num_hidden_layers=1, num_experts=2)
     optim = OptimizerConfig(lr=1e-3, warmup_steps=10, decay_style="linear", decay_steps=10)
 
     def build():
-        parallel = initialize_parallel(ParallelConfig(seed=3))
-        chunks = build_policy(model_cfg, parallel, PrecisionConfig())
-        return chunks[0], build_optimizer(chunks, parallel, optim, PrecisionConfig())
+        return _build_policy_and_optimizer(model_cfg, optim)
 
-    def step(train, seed) -> float:
-        """One update; returns the LR it used."""
-        lr = train.optimizer.param_groups[0]["lr"]
-        g = torch.Generator().manual_seed(seed)
-        for p in train.model[0].parameters():
-            p.main_grad.copy_(torch.randn(p.shape, generator=g) * 0.1)
-        assert train.step()[0]
-        return lr
-
-    def parts(model, train, loading):
-        return {
-            "policy": model.sharded_state_dict(),
-            "policy_optimizer": train.optimizer.sharded_state_dict(
-                model.sharded_state_dict(), is_loading=loading
-            ),
-        }
+    step, parts = _random_step, _policy_parts
 
     ps.destroy_model_parallel()
     try:
