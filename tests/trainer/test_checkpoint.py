@@ -521,6 +521,11 @@ def _random_step(train, seed: int) -> float:
     return lr
 
 
+def _assert_same_params(model, expected: dict[str, torch.Tensor]) -> None:
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, expected[name], rtol=0, atol=0, msg=name)
+
+
 def _policy_parts(model, train, loading: bool) -> dict:
     """The policy and policy_optimizer sharded state dicts, as the trainer saves them."""
     return {
@@ -559,8 +564,7 @@ def test_policy_and_optimizer_resume_continues_exactly(one_rank, tmp_path):
         result = mgr.load(mgr.resolve_resume(), parts(model, train, True))
         train.optimizer.load_state_dict(result.state_dicts["policy_optimizer"])
         step(train, 2)
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(p, expected[name], rtol=0, atol=0, msg=name)
+        _assert_same_params(model, expected)
         destroy_parallel()
     finally:
         ps.destroy_model_parallel()
@@ -607,8 +611,7 @@ def test_optimizer_saved_before_its_first_step_restarts_quietly(one_rank, tmp_pa
         assert not [m for lvl, m in _job_log(caplog) if lvl == "WARNING"]
         clear_optimizer_state(train.optimizer)  # as the trainer does for a part not loaded
         step(train)
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(p, expected[name], rtol=0, atol=0, msg=name)
+        _assert_same_params(model, expected)
         destroy_parallel()
     finally:
         ps.destroy_model_parallel()
