@@ -52,6 +52,9 @@ start; the record also keeps the seconds the stage took, so that ``--plan`` pric
 marks the cells that are missing or unfinished; two axes, always: held-out success against
 environment episodes consumed (robust to machine load) and against wall-clock (meaningful only
 for runs that had the cores to themselves: the load averages are in the per-cell table).
+Where cells wrote their held-out episodes (`logging.eval_episodes`), it also compares them task
+by task (every evaluation plays the same tasks): after vs before RL in each cell, and the first
+group against each other one on each seed, with the exact McNemar p-value.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ import fnmatch
 import gzip
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -1216,7 +1220,7 @@ def report_text(study: Study, figs: list[CellFigures], plot_rel: str | None) -> 
             f"{_mse([f.after for f in fin])} | {delta} | {collapses} | {worst_text} | "
             f"{'-' if not ev[2] else f'{ev[0]:.2f}'} |"
         )
-    lines += ["", *per_seed_table(groups), *paired_differences(groups)]
+    lines += ["", *per_seed_table(groups), *paired_differences(groups), *task_by_task(groups)]
     lines += [
         "",
         "| cell | state | RL steps | held-out before -> after | RL wall s | max load avg |",
@@ -1312,6 +1316,83 @@ def paired_differences(groups: dict[str, list[CellFigures]]) -> list[str]:
     if not out:
         return []
     head = f"Same-seed differences of held-out success after RL ({names[0]} minus each group):"
+    return ["", head, "", *out]
+
+
+def heldout_outcomes(cell: Cell, step: int) -> dict[tuple[str, int], bool] | None:
+    """(environment label, seed) -> solved, of the cell's held-out evaluation at `step`
+    (``rl/eval_episodes/step_<step>.jsonl``, or its ``.gz`` in a record); None when the cell
+    has no such file (it predates `logging.eval_episodes`, or did not evaluate at `step`)."""
+    from sao_megatron.trainer.evaluate import read_episodes
+
+    folder = source(cell) / EPISODES
+    for name in (f"step_{step:08d}.jsonl", f"step_{step:08d}.jsonl.gz"):
+        if (folder / name).exists():
+            return {
+                (e["env"], int(e["seed"])): bool(e["solved"]) for e in read_episodes(folder / name)
+            }
+    return None
+
+
+def mcnemar(b: int, c: int) -> float:
+    """Exact two-sided McNemar p-value of b tasks solved only by one side and c only by the
+    other: 2 P(Binomial(b + c, 1/2) <= min(b, c)), capped at 1 (McNemar 1947; the exact
+    binomial form)."""
+    n = b + c
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, k) for k in range(min(b, c) + 1)) / 2**n
+    return min(1.0, 2.0 * tail)
+
+
+def _paired_line(label: str, a: dict, b: dict) -> str | None:
+    """``label: +d points on n tasks (x solved only by the first, y only by the second; exact
+    McNemar p)``, over the tasks both hold; None when they share none."""
+    tasks = a.keys() & b.keys()
+    if not tasks:
+        return None
+    only_a = sum(a[t] and not b[t] for t in tasks)
+    only_b = sum(b[t] and not a[t] for t in tasks)
+    diff = 100.0 * (only_a - only_b) / len(tasks)
+    return (
+        f"- {label}: {diff:+.1f} points on {len(tasks)} tasks ({only_a} solved only by the "
+        f"first, {only_b} only by the second; exact McNemar p = {mcnemar(only_a, only_b):.3g})"
+    )
+
+
+def task_by_task(groups: dict[str, list[CellFigures]]) -> list[str]:
+    """Held-out outcomes compared on the very same tasks (every evaluation of a study plays
+    the same seeds): each finished cell after RL against itself before RL, and, seed by seed,
+    the first group against each other one after RL. Cells whose evaluations did not write
+    their episodes (`logging.eval_episodes`) are left out; nothing when none did."""
+    names, out = list(groups), []
+
+    def finished(fs: list[CellFigures]) -> dict[int, CellFigures]:
+        return {f.cell.seed: f for f in fs if f.state == "done" and f.eval_last}
+
+    for name in names:
+        for seed, f in sorted(finished(groups[name]).items()):
+            before = heldout_outcomes(f.cell, 0)
+            after = heldout_outcomes(f.cell, int(f.eval_last["step"]))
+            if before is not None and after is not None:
+                line = _paired_line(f"{name}/seed{seed}, after RL vs before", after, before)
+                out += [line] if line else []
+    ref = finished(groups[names[0]]) if names else {}
+    for name in names[1:]:
+        for seed, other in sorted(finished(groups[name]).items()):
+            if seed not in ref:
+                continue
+            a = heldout_outcomes(ref[seed].cell, int(ref[seed].eval_last["step"]))
+            b = heldout_outcomes(other.cell, int(other.eval_last["step"]))
+            if a is not None and b is not None:
+                line = _paired_line(f"seed {seed}, {names[0]} vs {name} after RL", a, b)
+                out += [line] if line else []
+    if not out:
+        return []
+    head = (
+        "Task by task (the same held-out tasks on both sides: a paired comparison, "
+        "`rl/eval_episodes`):"
+    )
     return ["", head, "", *out]
 
 

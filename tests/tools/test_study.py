@@ -62,12 +62,15 @@ done = [json.loads(x)["step"] for x in metrics.read_text().splitlines()] if metr
 every = int(ov["checkpoint.save_interval"])
 start = max(done, default=0) // every * every  # resumes from its last checkpoint
 die_at = int(os.environ.get("FAKE_DIE_AT", "0"))
+def episodes(step, solved):  # 4 held-out tasks (seeds 1-4), as logging.eval_episodes writes
+    (rl / "eval_episodes").mkdir(exist_ok=True)
+    lines = [json.dumps({"env": "t", "seed": k, "solved": k in solved}) for k in (1, 2, 3, 4)]
+    (rl / "eval_episodes" / f"step_{step:08d}.jsonl").write_text("\n".join(lines) + "\n")
 if not done:
     with open(rl / "eval.jsonl", "a") as f:
         first = {"step": 0, "eval/success_rate": 0.1 + 0.01 * seed, "eval/turns": 5.0}
         f.write(json.dumps(first) + "\n")
-    (rl / "eval_episodes").mkdir(exist_ok=True)
-    (rl / "eval_episodes" / "step_00000000.jsonl").write_text('{"seed": 1, "solved": false}\n')
+    episodes(0, {1})
 for step in range(start + 1, steps + 1):
     with open(metrics, "a") as f:
         f.write(json.dumps({"step": step, "time/rl_elapsed_s": 2.0 * step,
@@ -90,6 +93,7 @@ with open(rl / "eval.jsonl", "a") as f:
     final = (0.5 if sao else 0.3) + 0.01 * seed
     last = {"step": steps, "eval/success_rate": final, "eval/turns": 3.0 + seed}
     f.write(json.dumps(last) + "\n")
+episodes(steps, {1, 2, 3} if sao else {1, 2} if seed == 0 else {4})
 hf("hf_policy_final")
 """
 
@@ -590,6 +594,7 @@ def test_a_finished_cell_is_recorded_and_outlives_its_run_folder(study, monkeypa
         "cell.json",
         "rl/eval.jsonl",
         "rl/eval_episodes/step_00000000.jsonl.gz",
+        "rl/eval_episodes/step_00000004.jsonl.gz",
         "rl/metrics.jsonl.gz",
         "shared_start.json",
         "study_done.json",
@@ -597,7 +602,8 @@ def test_a_finished_cell_is_recorded_and_outlives_its_run_folder(study, monkeypa
     import gzip
 
     kept = gzip.decompress((rec / "rl/eval_episodes/step_00000000.jsonl.gz").read_bytes())
-    assert kept == b'{"seed": 1, "solved": false}\n'
+    plain = cells["sao/seed0"].run_dir / "rl/eval_episodes/step_00000000.jsonl"
+    assert kept == plain.read_bytes()
     assert not (Path(st.records) / "sao" / "seed1").exists()  # not run: not recorded
     before = {n: study_mod.figures(cells[n]) for n in ("sao/seed0", "grpo/seed0")}
     text_before = study_mod.report_text(st, list(before.values()), None)
@@ -625,6 +631,51 @@ def test_a_finished_cell_is_recorded_and_outlives_its_run_folder(study, monkeypa
     (c.run_dir).mkdir(parents=True)
     (c.run_dir / "cell.json").write_text((c.record_dir / "cell.json").read_text())
     assert study_mod.source(c) == c.run_dir and study_mod.state(c) == "done"
+
+
+def test_mcnemar_exact_p_values():
+    # 2 P(Binomial(n, 1/2) <= min(b, c)): (10, 2) -> 2 (1 + 12 + 66) / 4096
+    assert study_mod.mcnemar(10, 2) == pytest.approx(2 * 79 / 4096, rel=1e-12)
+    assert study_mod.mcnemar(2, 10) == study_mod.mcnemar(10, 2)
+    assert study_mod.mcnemar(5, 0) == pytest.approx(2 / 32, rel=1e-12)
+    assert study_mod.mcnemar(3, 3) == 1.0 and study_mod.mcnemar(0, 0) == 1.0
+
+
+def test_report_compares_the_same_held_out_tasks(study):
+    """Every evaluation plays the same tasks: the report pairs them (after vs before in each
+    cell, and the first group against the others seed by seed), from run folders or records."""
+    path, out, _ = study
+    assert study_mod.main([str(path), "--only", "sao/seed0,grpo/seed0,grpo/seed1"]) == 0
+    st = study_mod.load_study(path)
+    text = study_mod.report_text(st, [study_mod.figures(c) for c in study_mod.cells(st)], None)
+    # the fake's 4 tasks: before RL seed 1 solved; after, SAO {1, 2, 3}, GRPO seed 0 {1, 2},
+    # GRPO seed 1 {4}
+    expected = [
+        "- sao/seed0, after RL vs before: +50.0 points on 4 tasks (2 solved only by the first, "
+        "0 only by the second; exact McNemar p = 0.5)",
+        "- grpo/seed0, after RL vs before: +25.0 points on 4 tasks (1 solved only by the first, "
+        "0 only by the second; exact McNemar p = 1)",
+        "- grpo/seed1, after RL vs before: +0.0 points on 4 tasks (1 solved only by the first, "
+        "1 only by the second; exact McNemar p = 1)",
+        "- seed 0, sao vs grpo after RL: +25.0 points on 4 tasks (1 solved only by the first, "
+        "0 only by the second; exact McNemar p = 1)",
+    ]
+    lines = text.splitlines()
+    i = lines.index(
+        "Task by task (the same held-out tasks on both sides: a paired comparison, "
+        "`rl/eval_episodes`):"
+    )
+    assert lines[i + 2 : i + 6] == expected
+    import shutil
+
+    shutil.rmtree(out)  # from the records (gzipped) alone: the same lines
+    text = study_mod.report_text(st, [study_mod.figures(c) for c in study_mod.cells(st)], None)
+    assert all(line in text.splitlines() for line in expected)
+    # a cell without episode files (before logging.eval_episodes) is left out, not an error
+    for rec in Path(st.records).glob("*/seed0/rl/eval_episodes"):
+        shutil.rmtree(rec)
+    text = study_mod.report_text(st, [study_mod.figures(c) for c in study_mod.cells(st)], None)
+    assert [x for x in text.splitlines() if x.startswith("- ") and "McNemar" in x] == [expected[2]]
 
 
 def test_write_refuses_to_drop_a_finished_cell_it_can_no_longer_read(study, monkeypatch, tmp_path):
