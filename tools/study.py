@@ -93,8 +93,9 @@ RUNNER = "runner.json"
 EVALS = "rl/eval.jsonl"
 METRICS = "rl/metrics.jsonl"
 METRICS_GZ = METRICS + ".gz"
-#: the held-out episodes of each evaluation (`logging.eval_episodes`), kept gzipped (~100 KB a
-#: 256-episode evaluation): the same tasks in every cell, so cells compare task by task
+#: the held-out episodes of each evaluation (`logging.eval_episodes`); a record keeps the first
+#: and the last evaluation's, gzipped (~100 KB a 256-episode evaluation): the same tasks in
+#: every cell, so cells compare task by task
 EPISODES = "rl/eval_episodes"
 #: in a cell's run folder and record: the fingerprints (`stage_fingerprint`) of the shared
 #: stages it started from
@@ -372,7 +373,8 @@ def record_cell(cell: Cell) -> Path | None:
             shutil.copy2(cell.run_dir / name, tmp / name)
     with gzip.GzipFile(tmp / METRICS_GZ, "wb", mtime=0) as f:  # mtime 0: the same bytes again
         f.write((cell.run_dir / METRICS).read_bytes())
-    for episodes in sorted((cell.run_dir / EPISODES).glob("step_*.jsonl")):
+    kept = sorted((cell.run_dir / EPISODES).glob("step_*.jsonl"))
+    for episodes in dict.fromkeys(kept[:1] + kept[-1:]):  # before and after RL: what is compared
         (tmp / EPISODES).mkdir(exist_ok=True)
         with gzip.GzipFile(tmp / EPISODES / (episodes.name + ".gz"), "wb", mtime=0) as f:
             f.write(episodes.read_bytes())

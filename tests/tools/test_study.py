@@ -604,6 +604,13 @@ def test_a_finished_cell_is_recorded_and_outlives_its_run_folder(study, monkeypa
     kept = gzip.decompress((rec / "rl/eval_episodes/step_00000000.jsonl.gz").read_bytes())
     plain = cells["sao/seed0"].run_dir / "rl/eval_episodes/step_00000000.jsonl"
     assert kept == plain.read_bytes()
+    # an evaluation during RL stays in the run folder: the record keeps the first and the last
+    (plain.parent / "step_00000002.jsonl").write_text(plain.read_text())
+    study_mod.record_cell(cells["sao/seed0"])
+    assert sorted(p.name for p in (rec / "rl/eval_episodes").iterdir()) == [
+        "step_00000000.jsonl.gz",
+        "step_00000004.jsonl.gz",
+    ]
     assert not (Path(st.records) / "sao" / "seed1").exists()  # not run: not recorded
     before = {n: study_mod.figures(cells[n]) for n in ("sao/seed0", "grpo/seed0")}
     text_before = study_mod.report_text(st, list(before.values()), None)
