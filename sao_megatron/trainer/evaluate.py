@@ -263,14 +263,12 @@ def _json_value(v):
 
 
 def write_episodes(path: str | os.PathLike, records: list[dict]) -> Path:
-    """Write `records` as JSON lines to `path` (a temporary file renamed over it)."""
+    """Write `records` as JSON lines to `path` at once (`checkpoint.io.atomic_write_text`)."""
+    from sao_megatron.trainer.checkpoint.io import atomic_write_text
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
     return path
 
 
