@@ -45,6 +45,50 @@ def group_advantages(config: AlgorithmConfig, inputs: AdvantageInputs) -> Advant
     return AdvantageOutput(advantages=torch.where(mask, adv[:, None], 0.0))
 
 
+def proximal_ppo_loss(
+    config: AlgorithmConfig,
+    *,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    num_tokens: int | torch.Tensor | None = None,
+    num_sequences: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """PPO's clip on rho_t = exp(l_theta - l_old), times the behaviour weight w_t of
+    `algorithm.importance.weighting` on exp(l_old - l_b) (choice 4 above):
+
+        l_t = w_t max(-A_t rho_t, -A_t clip(rho_t, 1 - clip_low, 1 + clip_high))
+
+    With weighting=decoupled_ppo, w_t = min(exp(l_old - l_b), decoupled_weight_cap): the
+    decoupled objective (Hilton et al. 2022, arXiv 2110.00641; AReaL, arXiv 2505.24298, eq. 5),
+    whose clip is anchored at the trainer's own log-probs, not the engine's. GRPO and SAO with
+    ``decoupled_ppo`` use it. Shapes: all [B, T]; returns a scalar. Raises ValueError without
+    old_logprobs (the OLD_LOGPROBS phase's l_old).
+    """
+    if old_logprobs is None:
+        raise ValueError(
+            f"algorithm.name={config.name!r} with algorithm.importance.weighting="
+            f"{config.importance.weighting!r} needs old_logprobs [B, T] recomputed by the "
+            "trainer (its schedule's OLD_LOGPROBS phase)"
+        )
+    w = importance_weights(config.importance, old_logprobs, behaviour_logprobs, action_mask)
+    return ppo_clip_loss(
+        logprobs,
+        old_logprobs,
+        advantages,
+        action_mask,
+        clip_low=config.ppo.clip_low,
+        clip_high=config.ppo.clip_high,
+        dual_clip=config.ppo.dual_clip,
+        weights=w.weights,
+        mode=config.loss_aggregation,
+        num_tokens=num_tokens,
+        num_sequences=num_sequences,
+    )
+
+
 @register
 class GRPO(Algorithm):
     """Old log-probs -> group advantages -> PPO-clip policy update."""
@@ -67,35 +111,6 @@ class GRPO(Algorithm):
     def compute_advantages(self, inputs: AdvantageInputs) -> AdvantageOutput:
         return group_advantages(self.config, inputs)
 
-    def policy_loss(
-        self,
-        *,
-        logprobs,
-        behaviour_logprobs,
-        advantages,
-        action_mask,
-        old_logprobs=None,
-        num_tokens=None,
-        num_sequences=None,
-    ) -> torch.Tensor:
-        """`ppo_clip_loss` on exp(l_theta - l_old) times the behaviour weight on
-        exp(l_old - l_b). Raises ValueError without old_logprobs [B, T]."""
-        if old_logprobs is None:
-            raise ValueError(
-                "algorithm.name='grpo' needs old_logprobs [B, T] recomputed by the trainer"
-            )
-        cfg = self.config
-        w = importance_weights(cfg.importance, old_logprobs, behaviour_logprobs, action_mask)
-        return ppo_clip_loss(
-            logprobs,
-            old_logprobs,
-            advantages,
-            action_mask,
-            clip_low=cfg.ppo.clip_low,
-            clip_high=cfg.ppo.clip_high,
-            dual_clip=cfg.ppo.dual_clip,
-            weights=w.weights,
-            mode=cfg.loss_aggregation,
-            num_tokens=num_tokens,
-            num_sequences=num_sequences,
-        )
+    def policy_loss(self, *, old_logprobs=None, **kw) -> torch.Tensor:
+        """`proximal_ppo_loss`. Raises ValueError without old_logprobs [B, T]."""
+        return proximal_ppo_loss(self.config, old_logprobs=old_logprobs, **kw)

@@ -31,6 +31,13 @@ Choices, in the order a train step runs them:
    back; under staleness bound 4 it collapsed the quickstart in 2 of 4 seeds, PPO's clip in
    none (docs/ALGORITHM.md, "Importance weights"). `algorithm.importance.weighting` also swaps
    in TIS / masked IS / sequence masking / none.
+
+   `decoupled_ppo` gives up the saved forward: the schedule gains an OLD_LOGPROBS phase (after
+   the value updates) and the loss is GRPO's `grpo.proximal_ppo_loss`, PPO's clip on
+   exp(l_theta - l_old) times w = exp(l_old - l_b) (Hilton et al. 2022). For an engine whose
+   log-probs differ from the trainer's even at lag 0 (a bf16 engine beside an fp32 trainer):
+   the clip then anchors at the trainer's own policy (docs/ALGORITHM.md, "An engine whose
+   log-probs differ from the trainer's").
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ import torch
 
 from .advantages import AdvantageOutput, action_token_gae, final_next_values, node_gae
 from .base import AdvantageInputs, Algorithm, Phase, ValueTargets
+from .config import PPO_WEIGHTINGS
+from .grpo import proximal_ppo_loss
 from .importance import importance_weights
 from .losses import dis_policy_loss, policy_gradient_loss, ppo_clip_loss
 from .registry import register
@@ -106,18 +115,25 @@ class SAO(Algorithm):
     needs_value_model = True
     keeps_groups_together = False
     default_importance = "ppo_clip"  # the paper's is dis_band: module docstring, step 4
-    importance_weightings = BEHAVIOUR_WEIGHTINGS
+    importance_weightings = (*BEHAVIOUR_WEIGHTINGS, "decoupled_ppo")
 
     @classmethod
     def config_sections(cls, config: AlgorithmConfig) -> set[str]:
-        extra = {"ppo"} if config.importance.weighting == "ppo_clip" else set()
+        extra = {"ppo"} if config.importance.weighting in PPO_WEIGHTINGS else set()
         return {"sao", "importance"} | extra
 
     @property
     def schedule(self) -> tuple[Phase, ...]:
+        """VALUE_TARGETS, VALUE_UPDATE x K, [OLD_LOGPROBS with decoupled_ppo], ADVANTAGES,
+        POLICY_UPDATE."""
         k = self.config.sao.value_updates_per_policy_update
         value = (Phase.VALUE_TARGETS, *[Phase.VALUE_UPDATE] * k)
-        return (*value, Phase.ADVANTAGES, Phase.POLICY_UPDATE)
+        old = (Phase.OLD_LOGPROBS,) if self._decoupled else ()
+        return (*value, *old, Phase.ADVANTAGES, Phase.POLICY_UPDATE)
+
+    @property
+    def _decoupled(self) -> bool:
+        return self.config.importance.weighting == "decoupled_ppo"
 
     def compute_advantages(self, inputs: AdvantageInputs) -> AdvantageOutput:
         """GAE per `algorithm.sao` (action_token_gae or node_gae), with value targets.
@@ -176,5 +192,9 @@ class SAO(Algorithm):
         )
 
     def policy_loss(self, *, old_logprobs=None, **kw) -> torch.Tensor:
-        """`behaviour_policy_loss` (old_logprobs is not used: SAO has no OLD_LOGPROBS phase)."""
+        """`behaviour_policy_loss`; with decoupled_ppo `grpo.proximal_ppo_loss` on the
+        OLD_LOGPROBS phase's l_old [B, T] (ValueError without it). Without decoupled_ppo
+        old_logprobs is unused (no OLD_LOGPROBS phase)."""
+        if self._decoupled:
+            return proximal_ppo_loss(self.config, old_logprobs=old_logprobs, **kw)
         return behaviour_policy_loss(self.config, **kw)

@@ -211,9 +211,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         if (slow := slow_bf16_warning(pf, job.precision.params_dtype)) is not None:
             logging.getLogger("sao_megatron.trainer").warning(slow)
-        from sao_megatron.trainer.derived import log_overrides
+        from sao_megatron.trainer.derived import engine_anchor_warning, log_overrides
 
         log_overrides(job.derived_settings)  # e.g. parallel.seed=7 set explicitly (derived ...)
+        if (anchor := engine_anchor_warning(job)) is not None:
+            logging.getLogger("sao_megatron.trainer").warning(anchor)
     checkpoint_error = None
     try:
         summary = Controller(job, parallel).run()

@@ -186,6 +186,42 @@ def _check(job: JobConfig, records: list[DerivedSetting]) -> None:
         )
 
 
+def engine_anchor_warning(job: JobConfig) -> str | None:
+    """A warning when ``rollout.dtype`` is set to another dtype than the trainer's derived one
+    and the algorithm's policy ratio is anchored at the engine's log-probs l_b (no OLD_LOGPROBS
+    phase and an importance weighting other than "none": SAO as shipped, GRPO+DIS); else None.
+
+    Such an engine differs from the trainer even at lag 0 (a bf16 engine beside an fp32 trainer:
+    mean |1 - r| ~ 0.09 on SmolLM2), and SAO with its clip on that ratio drifted instead of
+    learning GEM's GuessTheNumber (docs/ALGORITHM.md, "An engine whose log-probs differ from
+    the trainer's"). The message names both fixes. `job` must come from `load_config` (its
+    `derived_settings`); a job without them gives None.
+    """
+    from sao_megatron.algorithm import registry
+    from sao_megatron.algorithm.base import Phase
+
+    record = next((r for r in job.derived_settings if r.key == "rollout.dtype"), None)
+    if record is None or not record.overridden:
+        return None
+    algo, weighting = job.algorithm, job.algorithm.importance.weighting
+    if weighting == "none" or Phase.OLD_LOGPROBS in registry.build(algo).schedule:
+        return None
+    fix = (
+        "algorithm.importance.weighting=decoupled_ppo"
+        if algo.name == "sao"
+        else "algorithm.name=grpo"
+    )
+    return (
+        f"rollout.dtype={record.value} differs from the trainer's {record.derived} ("
+        f"{record.source}) and algorithm.name={algo.name!r} with algorithm.importance.weighting="
+        f"{weighting!r} anchors its policy ratio at the engine's log-probs, which then differ "
+        "from the trainer's even at lag 0; SAO that way drifted instead of learning "
+        '(docs/ALGORITHM.md, "An engine whose log-probs differ from the trainer\'s"). Leave '
+        f"rollout.dtype out (it follows the precision) or set {fix} (the clip on the trainer's "
+        "recomputed log-probs)"
+    )
+
+
 def log_overrides(records: Sequence[DerivedSetting], log: logging.Logger | None = None) -> None:
     """Log at INFO, once each, the derived fields set explicitly to another value than the
     derived one (`DerivedSetting.message`); `sao-train` calls it on rank 0 at start-up."""

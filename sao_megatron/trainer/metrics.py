@@ -79,7 +79,7 @@ STANDARD_METRICS: dict[str, str] = {
     "deviation/token_bound": "per-token staleness bound of this batch (the controller's eta)",
     "time/rollout": "s per step waiting for trajectories",
     "time/value": "s per step in the value phases (value targets + K value updates)",
-    "time/old_logprobs": "s per step recomputing the old log-probs (GRPO)",
+    "time/old_logprobs": "s per step recomputing the old log-probs (GRPO; SAO with decoupled_ppo)",
     "time/advantages": "s per step computing advantages (SAO: with a fresh value forward)",
     "time/policy": "s per step in the policy update alone (every algorithm)",
     "time/sync": "s per step publishing weights",

@@ -254,6 +254,45 @@ def test_sao_ppo_clip_is_ppo_on_the_behaviour_ratio():
     assert not torch.allclose(loss, _loss(build(), lp, blp, adv, mask))  # not the DIS band
 
 
+def test_sao_decoupled_ppo_clips_at_the_trainers_old_logprobs():
+    """importance.weighting=decoupled_ppo: SAO's schedule gains OLD_LOGPROBS after its value
+    updates, and its loss is PPO's clip on exp(l_theta - l_old) times the capped behaviour
+    weight exp(l_old - l_b), against the float64 loop reference (the cap binds on some tokens).
+    Without l_old it is a clear error; with l_old = l_b it is SAO's shipped ppo_clip loss."""
+    mask, lp, blp, adv = make(6)
+    g = torch.Generator().manual_seed(8)
+    old = lp + 0.3 * torch.randn(lp.shape, generator=g, dtype=torch.float64)
+    old = torch.where(mask, old, 0.0)
+    ppo = PPOClipConfig(clip_low=0.2, clip_high=0.28)
+    algo = build(
+        importance=ImportanceConfig(weighting="decoupled_ppo", decoupled_weight_cap=1.5), ppo=ppo
+    )
+    assert algo.schedule == (
+        Phase.VALUE_TARGETS,
+        Phase.VALUE_UPDATE,
+        Phase.VALUE_UPDATE,
+        Phase.OLD_LOGPROBS,
+        Phase.ADVANTAGES,
+        Phase.POLICY_UPDATE,
+    )
+    w = torch.zeros(lp.shape, dtype=torch.float64)
+    for b, t in mask.nonzero().tolist():
+        w[b, t] = min(math.exp(float(old[b, t] - blp[b, t])), 1.5)
+    assert 0 < int((w[mask] == 1.5).sum()) < int(mask.sum())  # the cap binds on some tokens
+    got = _loss(algo, lp, blp, adv, mask, old=old)
+    ref = ref_ppo(lp, old, torch.nan_to_num(adv), mask, 0.2, 0.28, 3.0, w)
+    torch.testing.assert_close(
+        got, torch.tensor(ref_aggregate(ref, mask, "token_mean"), dtype=torch.float64)
+    )
+    with pytest.raises(ValueError, match="decoupled_ppo.*needs old_logprobs"):
+        _loss(algo, lp, blp, adv, mask)
+    shipped = build(importance=ImportanceConfig(weighting="ppo_clip"), ppo=ppo)
+    torch.testing.assert_close(
+        _loss(algo, lp, blp, adv, mask, old=blp), _loss(shipped, lp, blp, adv, mask)
+    )
+    assert Phase.OLD_LOGPROBS not in shipped.schedule  # SAO as shipped saves the forward
+
+
 def test_the_documented_fourth_algorithm_runs():
     """docs/ALGORITHM.md "Adding an algorithm": its code registers and computes what it says
     (REINFORCE on GRPO's group advantages, no importance weight) against a float64 loop."""

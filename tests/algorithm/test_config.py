@@ -93,7 +93,7 @@ def test_unknown_name_lists_the_registered_algorithms(package_registry):
 
 
 @pytest.mark.parametrize(
-    "name,kind", [("sao", "decoupled_ppo"), ("grpo", "dis_band"), ("grpo", "ppo_clip")]
+    "name,kind", [("grpo_dis", "decoupled_ppo"), ("grpo", "dis_band"), ("grpo", "ppo_clip")]
 )
 def test_importance_weighting_must_fit_algorithm(name, kind):
     with pytest.raises(ValueError, match="does not apply"):
@@ -133,15 +133,18 @@ def test_ppo_keys_with_the_dis_band_name_the_weighting_that_reads_them():
         AlgorithmConfig(**cfg)
     assert str(e.value) == (
         "algorithm.ppo.clip_low=0.1 is ignored by algorithm.name='sao' with "
-        "algorithm.importance.weighting='dis_band' (it reads algorithm.ppo only with ppo_clip): "
-        "remove the key or set algorithm.importance.weighting=ppo_clip"
+        "algorithm.importance.weighting='dis_band' (it reads algorithm.ppo only with ppo_clip "
+        "or decoupled_ppo): remove the key or set algorithm.importance.weighting=ppo_clip"
     )
 
 
 def test_parts_the_algorithm_reads_are_accepted():
     ppo = PPOClipConfig(clip_low=0.1, clip_high=0.3)
     sao = AlgorithmConfig(importance=ImportanceConfig(weighting="ppo_clip"), ppo=ppo)
-    assert sao.ppo.clip_high == 0.3  # SAO reads algorithm.ppo only with ppo_clip
+    assert sao.ppo.clip_high == 0.3  # SAO reads algorithm.ppo with ppo_clip or decoupled_ppo
+    imp = ImportanceConfig(weighting="decoupled_ppo", decoupled_weight_cap=2.0)
+    decoupled = AlgorithmConfig(importance=imp, ppo=ppo)
+    assert (decoupled.ppo.clip_low, decoupled.importance.decoupled_weight_cap) == (0.1, 2.0)
     grpo = AlgorithmConfig(name="grpo", grpo=GRPOConfig(group_size=4), ppo=ppo)
     assert (grpo.grpo.group_size, grpo.ppo.clip_low) == (4, 0.1)
     tis = AlgorithmConfig(name="grpo_dis", importance=ImportanceConfig(weighting="tis", tis_cap=3))

@@ -14,7 +14,12 @@ import pytest
 from omegaconf import OmegaConf
 
 from sao_megatron.configs import describe, load_config
-from sao_megatron.trainer.derived import PARALLEL_SEED_BASE, engine_dtype, log_overrides
+from sao_megatron.trainer.derived import (
+    PARALLEL_SEED_BASE,
+    engine_anchor_warning,
+    engine_dtype,
+    log_overrides,
+)
 from sao_megatron.trainer.job import JobConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -243,3 +248,39 @@ def test_help_shows_the_rule_of_a_derived_field():
     assert rows["rollout.max_model_len"] == "model.max_position_embeddings (derived unless set)"
     assert rows["rollout.dtype"].startswith("precision's (fp32 -> float32")
     assert rows["tasks.eval_seed"] == "1000003" and rows["seed"] == "0"
+
+
+@pytest.mark.parametrize(
+    "algorithm,fix",
+    [
+        (["algorithm.name=sao"], "algorithm.importance.weighting=decoupled_ppo"),
+        (["algorithm.name=sao", "algorithm.importance.weighting=dis_band"], "decoupled_ppo"),
+        (["algorithm.name=grpo_dis", "stages=[sft,rl]"], "algorithm.name=grpo"),
+    ],
+)
+def test_an_engine_dtype_under_a_ratio_anchored_at_the_engine_warns(algorithm, fix):
+    """rollout.dtype set apart from the trainer's under a policy ratio on the engine's log-probs
+    (SAO as shipped, GRPO+DIS): a warning that names the dtypes, the algorithm and both fixes."""
+    job = _job("precision.params_dtype=fp32", "rollout.dtype=bfloat16", *algorithm)
+    msg = engine_anchor_warning(job)
+    assert msg is not None and msg.startswith(
+        "rollout.dtype=bfloat16 differs from the trainer's float32 (precision.params_dtype=fp32)"
+    ), msg
+    assert f"algorithm.name={job.algorithm.name!r}" in msg
+    assert "Leave rollout.dtype out" in msg and fix in msg
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["algorithm.name=grpo", "stages=[sft,rl]"],  # its clip is on the recomputed l_old
+        ["algorithm.name=sao", "algorithm.importance.weighting=decoupled_ppo"],
+        ["algorithm.name=sao", "algorithm.importance.weighting=none"],  # no ratio
+        ["algorithm.name=sao", "rollout.dtype=float32"],  # the trainer's own dtype
+        ["algorithm.name=sao", "precision.params_dtype=bf16", "rollout.dtype=bfloat16"],
+    ],
+)
+def test_no_engine_anchor_warning_without_both_causes(overrides):
+    job = _job("precision.params_dtype=fp32", "rollout.dtype=bfloat16", *overrides)
+    assert engine_anchor_warning(job) is None
+    assert engine_anchor_warning(_job("algorithm.name=sao")) is None  # dtype derived

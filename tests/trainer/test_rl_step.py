@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sao_megatron.algorithm import registry
-from sao_megatron.algorithm.config import AlgorithmConfig, GRPOConfig
+from sao_megatron.algorithm.config import AlgorithmConfig, GRPOConfig, ImportanceConfig
 from sao_megatron.data.batch import pack_trajectories
 from sao_megatron.data.micro_batches import shard_for_data_parallel
 from sao_megatron.data.trajectory import ActionNode, Trajectory
@@ -145,6 +145,46 @@ def test_grpo_step(tiny_moe, parallel_1rank):
     assert m["deviation/version_lag_mean"] == 3.0
     # GRPO advantages are zero-mean within each group; per-token mean is a weighted mean
     assert math.isfinite(m["loss/policy"]) and math.isfinite(m["grad_norm/policy"])
+
+
+def test_sao_step_with_decoupled_ppo_recomputes_old_logprobs(tiny_moe, parallel_1rank, monkeypatch):
+    """SAO with importance.weighting=decoupled_ppo on real Megatron: the OLD_LOGPROBS phase runs
+    after the value updates and gives the policy's own log-probs before its update (not the
+    engine's, which carry seeded noise here); its loss is not SAO's shipped ppo_clip on the same
+    batch and weights, and the policy moves."""
+    import sao_megatron.trainer.policy_phase as policy_phase
+
+    seen = {}
+    original = policy_phase.PolicyPhases.old_logprobs
+
+    def recorded(self, state):
+        original(self, state)
+        seen["old"], seen["mask"] = state.old_logprobs.clone(), state.batch.rows.action_mask
+
+    losses = {}
+    for kind in ("ppo_clip", "decoupled_ppo"):
+        if kind == "decoupled_ppo":  # before RLStep binds its phases
+            monkeypatch.setattr(policy_phase.PolicyPhases, "old_logprobs", recorded)
+        algo_cfg = AlgorithmConfig(importance=ImportanceConfig(weighting=kind))
+        step, p_state, _ = _sao_setup(tiny_moe, parallel_1rank, algo_cfg)
+        trajs = _random_trajectories(6, 0)
+        batch = _with_policy_behaviour(p_state.model, parallel_1rank, trajs, noise=0.2)
+        own = _policy_logprobs(p_state.model, parallel_1rank, batch)
+        before = _params(p_state.model)
+        m = step.train_step(batch, train_version=0)
+        losses[kind] = m["loss/policy"]
+        after = _params(p_state.model)
+        assert any(not torch.equal(before[n], after[n]) for n in before)
+        times = {k for k in m if k.startswith("time/")}
+        assert ("time/old_logprobs" in times) == (kind == "decoupled_ppo"), times
+        assert m["deviation/abs_one_minus_ratio_mean"] > 0.05  # the engine's noise is seen
+    mask = batch.action_mask[:, 1:]
+    engine = batch.behaviour_logprobs[:, 1:]
+    own_sum, engine_sum = float(own[mask].sum()), float(engine[mask].sum())
+    old_sum = float(seen["old"][seen["mask"]].sum())
+    assert old_sum == pytest.approx(own_sum, rel=1e-5)  # l_old: the trainer's own policy
+    assert abs(old_sum - own_sum) < 0.1 * abs(old_sum - engine_sum)  # not the engine's
+    assert losses["decoupled_ppo"] != pytest.approx(losses["ppo_clip"], rel=1e-6)
 
 
 def test_value_model_must_match_the_algorithm(tiny_moe, parallel_1rank):
