@@ -16,8 +16,9 @@ An algorithm object answers, for the trainer (`sao_megatron.trainer.rl_step.RLSt
   default).
 
 Config validation asks the class for ``default_importance``, ``importance_weightings`` (the
-behaviour-correction schemes its loss accepts) and ``config_sections`` (the parts of
-`AlgorithmConfig` it reads; a non-default value elsewhere is an error).
+behaviour-correction schemes its loss accepts), ``config_sections`` (the parts of
+`AlgorithmConfig` it reads; a non-default value elsewhere is an error) and
+``ppo_weightings`` (the weightings with which it reads ``algorithm.ppo``, named in that error).
 """
 
 from __future__ import annotations
@@ -121,6 +122,9 @@ class Algorithm:
     keeps_groups_together: ClassVar[bool] = False
     default_importance: ClassVar[str] = "none"
     importance_weightings: ClassVar[tuple[str, ...]] = ("none",)
+    #: the weightings with which `config_sections` includes "ppo" (empty: it always does, or
+    #: never); the config's error for a stray ``algorithm.ppo`` key names them
+    ppo_weightings: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: AlgorithmConfig) -> None:
         if config.name != self.name:

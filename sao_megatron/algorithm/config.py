@@ -43,9 +43,6 @@ IMPORTANCE_WEIGHTINGS = (
     "decoupled_ppo",
     "none",
 )
-#: the weightings with PPO's clip, so the ones that read `algorithm.ppo` (ppo_clip: on l_b;
-#: decoupled_ppo: on the trainer's recomputed l_old)
-PPO_WEIGHTINGS = ("ppo_clip", "decoupled_ppo")
 #: the parameters each importance weighting reads (eps_low/eps_high: always, for the
 #: ``deviation/dropped_fraction`` metric)
 IMPORTANCE_PARAMETERS = {
@@ -299,7 +296,7 @@ class AlgorithmConfig:
         for section in ("sao", "grpo", "ppo"):
             if section not in reads:
                 key = f"algorithm.{section}"
-                reading = [w for w in PPO_WEIGHTINGS if w in algo.importance_weightings]
+                reading = algo.ppo_weightings
                 if section == "ppo" and reading:
                     why = (
                         f"algorithm.name={self.name!r} with algorithm.importance.weighting="

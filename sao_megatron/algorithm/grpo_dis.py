@@ -37,11 +37,12 @@ class GRPODIS(Algorithm):
     keeps_groups_together = True
     default_importance = "dis_band"
     importance_weightings = BEHAVIOUR_WEIGHTINGS
+    ppo_weightings = ("ppo_clip",)
     schedule = (Phase.ADVANTAGES, Phase.POLICY_UPDATE)
 
     @classmethod
     def config_sections(cls, config: AlgorithmConfig) -> set[str]:
-        extra = {"ppo"} if config.importance.weighting == "ppo_clip" else set()
+        extra = {"ppo"} if config.importance.weighting in cls.ppo_weightings else set()
         return {"grpo", "importance"} | extra
 
     @property

@@ -49,7 +49,6 @@ import torch
 
 from .advantages import AdvantageOutput, action_token_gae, final_next_values, node_gae
 from .base import AdvantageInputs, Algorithm, Phase, ValueTargets
-from .config import PPO_WEIGHTINGS
 from .grpo import proximal_ppo_loss
 from .importance import importance_weights
 from .losses import dis_policy_loss, policy_gradient_loss, ppo_clip_loss
@@ -60,6 +59,9 @@ if TYPE_CHECKING:
 
 #: behaviour corrections of a policy loss on r = exp(l_theta - l_b) (SAO, GRPO+DIS)
 BEHAVIOUR_WEIGHTINGS = ("dis_band", "ppo_clip", "tis", "masked_is", "seq_geo_mask", "none")
+#: the weightings with PPO's clip, which read `algorithm.ppo` (ppo_clip: on l_b; decoupled_ppo:
+#: on the trainer's recomputed l_old)
+PPO_WEIGHTINGS = ("ppo_clip", "decoupled_ppo")
 
 
 def behaviour_policy_loss(
@@ -116,10 +118,11 @@ class SAO(Algorithm):
     keeps_groups_together = False
     default_importance = "ppo_clip"  # the paper's is dis_band: module docstring, step 4
     importance_weightings = (*BEHAVIOUR_WEIGHTINGS, "decoupled_ppo")
+    ppo_weightings = PPO_WEIGHTINGS
 
     @classmethod
     def config_sections(cls, config: AlgorithmConfig) -> set[str]:
-        extra = {"ppo"} if config.importance.weighting in PPO_WEIGHTINGS else set()
+        extra = {"ppo"} if config.importance.weighting in cls.ppo_weightings else set()
         return {"sao", "importance"} | extra
 
     @property
