@@ -48,13 +48,10 @@ def group_advantages(config: AlgorithmConfig, inputs: AdvantageInputs) -> Advant
 def proximal_ppo_loss(
     config: AlgorithmConfig,
     *,
-    logprobs: torch.Tensor,
     old_logprobs: torch.Tensor | None,
     behaviour_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
     action_mask: torch.Tensor,
-    num_tokens: int | torch.Tensor | None = None,
-    num_sequences: int | torch.Tensor | None = None,
+    **loss_inputs,
 ) -> torch.Tensor:
     """PPO's clip on rho_t = exp(l_theta - l_old), times the behaviour weight w_t of
     `algorithm.importance.weighting` on exp(l_old - l_b) (choice 4 above):
@@ -64,8 +61,15 @@ def proximal_ppo_loss(
     With weighting=decoupled_ppo, w_t = min(exp(l_old - l_b), decoupled_weight_cap): the
     decoupled objective (Hilton et al. 2022, arXiv 2110.00641; AReaL, arXiv 2505.24298, eq. 5),
     whose clip is anchored at the trainer's own log-probs, not the engine's. GRPO and SAO with
-    ``decoupled_ppo`` use it. Shapes: all [B, T]; returns a scalar. Raises ValueError without
-    old_logprobs (the OLD_LOGPROBS phase's l_old).
+    ``decoupled_ppo`` use it.
+
+    Args:
+        old_logprobs, behaviour_logprobs, action_mask: [B, T] l_old (the OLD_LOGPROBS phase's),
+            l_b (the engine's), the action tokens.
+        loss_inputs: `losses.ppo_clip_loss`'s logprobs and advantages [B, T], num_tokens,
+            num_sequences.
+
+    Returns a scalar. Raises ValueError without old_logprobs.
     """
     if old_logprobs is None:
         raise ValueError(
@@ -74,18 +78,16 @@ def proximal_ppo_loss(
             "trainer (its schedule's OLD_LOGPROBS phase)"
         )
     w = importance_weights(config.importance, old_logprobs, behaviour_logprobs, action_mask)
+    ppo = config.ppo
     return ppo_clip_loss(
-        logprobs,
-        old_logprobs,
-        advantages,
-        action_mask,
-        clip_low=config.ppo.clip_low,
-        clip_high=config.ppo.clip_high,
-        dual_clip=config.ppo.dual_clip,
+        old_logprobs=old_logprobs,
+        action_mask=action_mask,
+        clip_low=ppo.clip_low,
+        clip_high=ppo.clip_high,
+        dual_clip=ppo.dual_clip,
         weights=w.weights,
         mode=config.loss_aggregation,
-        num_tokens=num_tokens,
-        num_sequences=num_sequences,
+        **loss_inputs,
     )
 
 
