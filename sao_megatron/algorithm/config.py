@@ -293,10 +293,10 @@ class AlgorithmConfig:
                 f"algorithm.name={self.name!r}: use one of {', '.join(algo.importance_weightings)}"
             )
         reads = algo.config_sections(self)
+        reading = algo.ppo_weightings
         for section in ("sao", "grpo", "ppo"):
             if section not in reads:
                 key = f"algorithm.{section}"
-                reading = algo.ppo_weightings
                 if section == "ppo" and reading:
                     why = (
                         f"algorithm.name={self.name!r} with algorithm.importance.weighting="

@@ -59,9 +59,6 @@ if TYPE_CHECKING:
 
 #: behaviour corrections of a policy loss on r = exp(l_theta - l_b) (SAO, GRPO+DIS)
 BEHAVIOUR_WEIGHTINGS = ("dis_band", "ppo_clip", "tis", "masked_is", "seq_geo_mask", "none")
-#: the weightings with PPO's clip, which read `algorithm.ppo` (ppo_clip: on l_b; decoupled_ppo:
-#: on the trainer's recomputed l_old)
-PPO_WEIGHTINGS = ("ppo_clip", "decoupled_ppo")
 
 
 def behaviour_policy_loss(
@@ -118,7 +115,7 @@ class SAO(Algorithm):
     keeps_groups_together = False
     default_importance = "ppo_clip"  # the paper's is dis_band: module docstring, step 4
     importance_weightings = (*BEHAVIOUR_WEIGHTINGS, "decoupled_ppo")
-    ppo_weightings = PPO_WEIGHTINGS
+    ppo_weightings = ("ppo_clip", "decoupled_ppo")  # PPO's clip on l_b, on the recomputed l_old
 
     @classmethod
     def config_sections(cls, config: AlgorithmConfig) -> set[str]:

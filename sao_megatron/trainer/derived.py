@@ -208,7 +208,7 @@ def engine_anchor_warning(job: JobConfig) -> str | None:
         return None
     fix = (
         "algorithm.importance.weighting=decoupled_ppo"
-        if algo.name == "sao"
+        if "decoupled_ppo" in registry.get(algo.name).importance_weightings
         else "algorithm.name=grpo"
     )
     return (
