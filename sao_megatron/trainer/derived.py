@@ -194,14 +194,15 @@ def engine_anchor_warning(job: JobConfig) -> str | None:
     Such an engine differs from the trainer even at lag 0 (a bf16 engine beside an fp32 trainer:
     mean |1 - r| ~ 0.09 on SmolLM2), and SAO with its clip on that ratio drifted instead of
     learning GEM's GuessTheNumber (docs/ALGORITHM.md, "An engine whose log-probs differ from
-    the trainer's"). The message names both fixes. `job` must come from `load_config` (its
-    `derived_settings`); a job without them gives None.
+    the trainer's"). The message names both fixes. A job without the "rl" stage (an SFT or
+    value pre-training alone: no policy ratio) gives None, and so does one without
+    `derived_settings` (`job` must come from `load_config`).
     """
     from sao_megatron.algorithm import registry
     from sao_megatron.algorithm.base import Phase
 
     record = next((r for r in job.derived_settings if r.key == "rollout.dtype"), None)
-    if record is None or not record.overridden:
+    if record is None or not record.overridden or "rl" not in job.stages:
         return None
     algo, weighting = job.algorithm, job.algorithm.importance.weighting
     if weighting == "none" or Phase.OLD_LOGPROBS in registry.build(algo).schedule:

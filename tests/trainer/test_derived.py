@@ -278,6 +278,8 @@ def test_an_engine_dtype_under_a_ratio_anchored_at_the_engine_warns(algorithm, f
         ["algorithm.name=sao", "algorithm.importance.weighting=none"],  # no ratio
         ["algorithm.name=sao", "rollout.dtype=float32"],  # the trainer's own dtype
         ["algorithm.name=sao", "precision.params_dtype=bf16", "rollout.dtype=bfloat16"],
+        ["algorithm.name=sao", "stages=[sft]"],  # no RL stage, no ratio (a study's shared SFT)
+        ["algorithm.name=sao", "stages=[sft,value_pretrain]"],
     ],
 )
 def test_no_engine_anchor_warning_without_both_causes(overrides):
