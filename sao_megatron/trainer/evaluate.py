@@ -88,8 +88,17 @@ def evaluate(
 
     episodes_path: when given, a JSON-lines file (parent folders created, replaced atomically)
     with one `episode_record` per held-out episode, in task order (environment, then seed).
+
+    Held-out episodes ask for no routed experts whatever `rollout.record_routing` /
+    `routing_replay` say (nothing trains on them); the engines need not have capture off.
     """
-    cfg = dataclasses.replace(rollout, seed=rollout.seed if rollout.seed is not None else base_seed)
+    # held-out episodes never train: no routed experts requested (the engines may still record)
+    cfg = dataclasses.replace(
+        rollout,
+        seed=rollout.seed if rollout.seed is not None else base_seed,
+        record_routing=False,
+        routing_replay=False,
+    )
     labels = eval_labels(envs)
 
     async def main() -> dict[str, float]:

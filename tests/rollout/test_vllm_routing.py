@@ -63,6 +63,31 @@ def test_episode_routing_matches_transformers(engines, tiny_models, tmp_path):
     assert int(packed.routing_mask.sum()) == sum(len(s) - 1 for s in seqs)
 
 
+def test_heldout_evaluation_with_routing_replay_on(engines, tmp_path):
+    """A job with `rollout.routing_replay` evaluates on the same engines: held-out episodes ask
+    for no routed experts, and every one of them runs (the MoE GuessTheNumber study's first
+    evaluation raised `generate() got an unexpected keyword argument 'routing_start'`)."""
+    from sao_megatron.envs.base import EnvSpec
+    from sao_megatron.trainer.evaluate import evaluate, read_episodes
+
+    cfg = config(tmp_path, engine_urls=[engines[0].url], routing_replay=True)
+    spec = EnvSpec(name="hanoi", options={"horizon": 3, "invalid_action_ends_episode": False})
+    out = evaluate(
+        [engines[0].url],
+        [spec],
+        num_tasks=3,
+        base_seed=7,
+        formatter=make_formatter(),
+        rollout=cfg,
+        episodes_path=tmp_path / "episodes.jsonl",
+    )
+    assert out["eval/num_errors"] == 0, out
+    records = read_episodes(tmp_path / "episodes.jsonl")
+    assert len(records) == 3, records
+    assert all(r["status"] != "error" and r["num_turns"] >= 1 for r in records), records
+    assert out["eval/hanoi/mean_turns"] >= 1.0
+
+
 def test_prefix_cache_hits_get_their_rows(engines, tiny_models):
     """A repeated long prompt is served from the prefix cache: its rows come from the block
     store and equal those of the first request (and transformers')."""
