@@ -283,6 +283,7 @@ class _Request:
         self.filled = np.zeros(0, dtype=bool)
         self.tokens = np.zeros(0, dtype=np.int64)
         self.hashed_blocks = 0  # full blocks already put in the block store
+        self.store_stuck = False  # a cache-hit block the store lacks: store nothing more
 
     def grow(self, n: int) -> None:
         import numpy as np
@@ -380,14 +381,34 @@ class _RoutingCapture:
             self._store_blocks(req)
 
     def _store_blocks(self, req: _Request) -> None:
+        """Put the request's full blocks of rows in the block store, keyed by prefix hash.
+
+        A request whose prompt began with prefix-cache hits never computed those positions: their
+        rows are taken from the store (the blocks that hit), so its own later blocks are stored
+        too. Without that, the next turn of a multi-turn episode (its prompt the previous one's
+        plus the reply and the observation) hit blocks with no rows and came back incomplete.
+        """
+        if req.store_stuck:
+            return
         bs = self.block_size
-        full = 0
-        while (full + 1) * bs <= len(req.filled) and req.filled[full * bs : (full + 1) * bs].all():
+        num_blocks = len(req.tokens) // bs
+        full, hashes = req.hashed_blocks, None
+        while full < num_blocks and (full + 1) * bs <= len(req.filled):
+            span = slice(full * bs, (full + 1) * bs)
+            if not req.filled[span].all():
+                if hashes is None:
+                    hashes = _chain_hashes(req.tokens, num_blocks, bs)
+                block = self.blocks.get(hashes[full])
+                if block is None:  # evicted, or hit before capture began
+                    req.store_stuck = True
+                    break
+                holes = ~req.filled[span]
+                req.rows[span][holes] = block[holes]
+                req.filled[span] = True
             full += 1
-        full = min(full, len(req.tokens) // bs)
         if full <= req.hashed_blocks:
             return
-        hashes = _chain_hashes(req.tokens, full, bs)
+        hashes = hashes or _chain_hashes(req.tokens, full, bs)
         for c in range(req.hashed_blocks, full):
             self.blocks[hashes[c]] = req.rows[c * bs : (c + 1) * bs].copy()
             self.blocks.move_to_end(hashes[c])

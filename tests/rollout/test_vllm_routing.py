@@ -63,6 +63,38 @@ def test_episode_routing_matches_transformers(engines, tiny_models, tmp_path):
     assert int(packed.routing_mask.sum()) == sum(len(s) - 1 for s in seqs)
 
 
+def test_next_turn_after_a_cache_hit_prompt_gets_all_its_rows(engines, tiny_models):
+    """Turn 1's prompt starts with blocks another request cached; turn 2's prompt extends turn
+    1's and hits the blocks turn 1 computed itself. Those rows come from the block store too
+    (before the fix turn 1 stored none of its blocks, and turn 2 came back incomplete)."""
+
+    async def run():
+        c = EngineClient(engines[1].url, "engine1")
+        try:
+            info = await c.enable_routing_capture()
+            bs = info["block_size"]
+            shared = [1] + [(11 * i) % 240 + 5 for i in range(2 * bs + 5)]
+            kw = dict(max_tokens=3, temperature=1.0, top_p=1.0, stop_token_ids=[], seed=5)
+            first = await c.generate(shared, routing_start=0, **kw)  # caches 2 blocks
+            turn1 = shared + [(13 * i) % 230 + 9 for i in range(bs + 3)]
+            t1 = await c.generate(turn1, routing_start=0, **kw)  # hits them, computes more
+            turn2 = turn1 + [(17 * i) % 220 + 7 for i in range(bs // 2 + 1)]
+            t2 = await c.generate(turn2, routing_start=0, **kw)  # hits turn 1's blocks too
+            return bs, first, turn1, t1, turn2, t2
+        finally:
+            await c.aclose()
+
+    bs, first, turn1, t1, turn2, t2 = asyncio.run(run())
+    assert len(turn1) // bs >= 3  # turn 2 hits a block that turn 1 computed
+    for gen in (first, t1, t2):
+        assert gen.routing_missing == 0 and gen.routed_experts is not None, gen.routing_missing
+    n = len(turn2)
+    assert t2.routed_experts.shape == (n + len(t2.token_ids) - 1, 2, 2)
+    assert torch.equal(t2.routed_experts[: len(turn1)], t1.routed_experts[: len(turn1)])
+    ref = hf_topk(tiny_models[0], [turn2])[0]
+    assert same_experts(t2.routed_experts[:n], ref[:n]).float().mean() >= 0.99
+
+
 def test_heldout_evaluation_with_routing_replay_on(engines, tmp_path):
     """A job with `rollout.routing_replay` evaluates on the same engines: held-out episodes ask
     for no routed experts, and every one of them runs (the MoE GuessTheNumber study's first
