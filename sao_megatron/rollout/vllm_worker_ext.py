@@ -53,7 +53,9 @@ file each step's rows per request and position (the V1 runner's ``input_batch.re
 ``query_start_loc`` and ``positions`` of that step). Prefix-cached positions are not recomputed,
 so full cache blocks are also kept by a hash of their token prefix (the routing of a position
 depends only on the tokens up to it and the weights; the store is cleared on every reload) and
-looked up for the positions a request took from the cache. `sao_take_routing` returns (and
+looked up for the positions a request took from the cache; a request that hit the cache
+fills those positions from the store as it runs, so the blocks it computes itself are stored
+too (the next turn of a multi-turn episode hits them). `sao_take_routing` returns (and
 forgets) one request's rows.
 """
 
