@@ -92,7 +92,6 @@ def evaluate(
     Held-out episodes ask for no routed experts whatever `rollout.record_routing` /
     `routing_replay` say (nothing trains on them); the engines need not have capture off.
     """
-    # held-out episodes never train: no routed experts requested (the engines may still record)
     cfg = dataclasses.replace(
         rollout,
         seed=rollout.seed if rollout.seed is not None else base_seed,
