@@ -76,7 +76,7 @@ from sao_megatron.envs.base import (
     register_env,
     register_episode_metrics,
 )
-from sao_megatron.envs.gem_solvers import SOLVERS
+from sao_megatron.envs.gem_solvers import REASONED_SOLVERS, SOLVERS
 from sao_megatron.envs.options import did_you_mean
 
 GEM_PIN = "gem-llm==0.1.0"
@@ -198,6 +198,10 @@ class GemConfig:
             GEM's turn limit) with a return >= this.
         allow_downloads: accept ids that download data at run time (nltk corpora, Hugging Face
             datasets; needs network and their packages, e.g. nltk, datasets).
+        solver_reasoning: the gold solver (demonstrations) writes its reasoning before its
+            answer: Mastermind lists the codes still consistent with the pegs ("Left: 23 25 26.
+            \\boxed{2 3}"; their count when more than 12); GuessTheNumber's solver states its
+            interval either way. Games whose solver has no reasoning (Tower of Hanoi) refuse it.
     """
 
     CONFIG_SECTION: ClassVar[str] = "gem"  # messages say gem.<field>
@@ -208,6 +212,7 @@ class GemConfig:
     include_suffix: bool = True
     success_threshold: float = 1.0
     allow_downloads: bool = False
+    solver_reasoning: bool = False
 
     def __post_init__(self) -> None:
         if self.max_turns is not None and self.max_turns < 1:
@@ -232,6 +237,11 @@ class GemConfig:
                 f"imported ({type(e).__name__}: {e}); install what it needs or pick another id"
             ) from None
         self._check_kwargs(cls)
+        if self.solver_reasoning and entry_point(self.env_id) not in REASONED_SOLVERS:
+            raise ValueError(
+                f"gem.solver_reasoning=true: {self.env_id!r} has no solver that writes its "
+                f"reasoning (games with one: {sorted(REASONED_SOLVERS)}); set it false"
+            )
         error = _probe(self.env_id, json.dumps(self.kwargs, sort_keys=True, default=str))
         if error is not None:
             raise ValueError(
@@ -378,7 +388,8 @@ class SolvedGemEnv(GemEnv):
         """The solver's next action from the current state (RuntimeError between episodes)."""
         if self.done:
             raise RuntimeError(f"{self.name}.gold_action(): no episode in progress")
-        return SOLVERS[entry_point(self.name)](self.game)
+        solvers = REASONED_SOLVERS if self.config.solver_reasoning else SOLVERS
+        return solvers[entry_point(self.name)](self.game)
 
 
 @register_env("gem", options=GemConfig)

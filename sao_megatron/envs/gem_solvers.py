@@ -12,12 +12,15 @@ observations:
   (the easy variant's 4 turns), 6 for 1..50 (the hard variant's 7).
 * Mastermind: a consistent guess. The first code (in lexicographic order) that would have
   received exactly the observed black/white pegs for every earlier guess. 30 codes for the easy
-  variant (2 of 6 digits), 1680 for the hard one (4 of 8).
+  variant (2 of 6 digits), 1680 for the hard one (4 of 8). With its reasoning
+  (`mastermind_reasoned`), it first lists the codes still consistent ("Left: 23 25 26.
+  \\boxed{2 3}"), or counts them when there are more than `LIST_AT_MOST`.
 * Tower of Hanoi: the first move of the optimal route to all disks on tower C from the current
   position (`sao_megatron.envs.hanoi_states.gold_move`), e.g. ``\\boxed{A C}``.
 
 `SOLVERS` maps GEM's entry point (``module:Class``) to its solver; the GEM adapter
-(`sao_megatron.envs.gem`) offers ``gold_action()`` exactly for those games.
+(`sao_megatron.envs.gem`) offers ``gold_action()`` exactly for those games. `REASONED_SOLVERS`
+holds the solvers that write their reasoning before the answer (``gem.solver_reasoning``).
 """
 
 from __future__ import annotations
@@ -68,14 +71,39 @@ def consistent_codes(
     return [c for c in codes if all(pegs(g, c) == fb for g, fb in history.items())]
 
 
-def mastermind(game: Any) -> str:
-    """The first code consistent with all feedback so far (GEM's ``MastermindEnv``)."""
+#: Mastermind's reasoned solver lists the consistent codes up to this many, else counts them
+LIST_AT_MOST = 12
+
+
+def _mastermind_candidates(game: Any) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
+    """(codes consistent with all feedback so far, the first of them not yet guessed)."""
     history = {tuple(g): pegs(g, game.game_code) for g in game.previous_guesses}
     candidates = consistent_codes(
         game.code_length, game.num_numbers, bool(game.duplicate_numbers), history
     )
     guess = next(c for c in candidates if c not in history)  # the secret is always a candidate
-    return "\\boxed{" + " ".join(map(str, guess)) + "}"
+    return candidates, guess
+
+
+def _boxed_code(code: Sequence[int]) -> str:
+    return "\\boxed{" + " ".join(map(str, code)) + "}"
+
+
+def mastermind(game: Any) -> str:
+    """The first code consistent with all feedback so far (GEM's ``MastermindEnv``)."""
+    return _boxed_code(_mastermind_candidates(game)[1])
+
+
+def mastermind_reasoned(game: Any) -> str:
+    """`mastermind`'s guess after the codes still consistent with the pegs, each written as its
+    digits run together ("Left: 23 25 26. \\boxed{2 3}"), or their count when there are more
+    than `LIST_AT_MOST` ("Left: 30 codes. \\boxed{1 2}")."""
+    candidates, guess = _mastermind_candidates(game)
+    if len(candidates) > LIST_AT_MOST:
+        left = f"{len(candidates)} codes"
+    else:
+        left = " ".join("".join(map(str, c)) for c in candidates)
+    return f"Left: {left}. {_boxed_code(guess)}"
 
 
 def tower_of_hanoi(game: Any) -> str:
@@ -95,4 +123,10 @@ SOLVERS: dict[str, Callable[[Any], str]] = {
     "gem.envs.game_env.guess_the_number:GuessTheNumberEnv": guess_the_number,
     "gem.envs.game_env.mastermind:MastermindEnv": mastermind,
     "gem.envs.game_env.tower_of_hanoi:TowerofHanoiEnv": tower_of_hanoi,
+}
+
+#: GEM entry point -> its solver that writes its reasoning first (GuessTheNumber's always does)
+REASONED_SOLVERS: dict[str, Callable[[Any], str]] = {
+    "gem.envs.game_env.guess_the_number:GuessTheNumberEnv": guess_the_number,
+    "gem.envs.game_env.mastermind:MastermindEnv": mastermind_reasoned,
 }

@@ -115,6 +115,12 @@ def test_unknown_gem_id_fails_when_the_config_loads_with_close_matches():
         ({"env_id": GUESS, "max_turns": 0}, "gem.max_turns=0: must be >= 1 (or null)"),
         ({}, "gem.env_id: required option of environment 'gem' is missing"),
         ({"env_id": GUESS, "max_turn": 3}, "gem.max_turn: unknown option of environment 'gem'"),
+        (
+            {"env_id": HANOI, "solver_reasoning": True},
+            "gem.solver_reasoning=true: 'game:TowerofHanoi-v0-easy' has no solver that writes its "
+            "reasoning (games with one: ['gem.envs.game_env.guess_the_number:GuessTheNumberEnv', "
+            "'gem.envs.game_env.mastermind:MastermindEnv']); set it false",
+        ),
     ],
 )
 def test_bad_options_name_the_field_and_the_fix(options, message):
@@ -303,6 +309,38 @@ def test_bisection_says_the_interval_and_mastermind_guesses_stay_consistent():
         assert digits in consistent_codes(2, 6, False, history) and digits not in history
         if env.step(guess).done:
             break
+
+
+@pytest.mark.parametrize("env_id", [MASTERMIND, "game:Mastermind-v0-hard"])
+def test_mastermind_reasoning_lists_the_consistent_codes_then_guesses_as_without(env_id):
+    plain = make_env("gem", env_id=env_id)
+    reasoned = make_env("gem", env_id=env_id, solver_reasoning=True)
+    game = reasoned.game
+    for seed in range(20):
+        plain.reset(seed)
+        reasoned.reset(seed)
+        actions = []
+        while True:
+            action = reasoned.gold_action()
+            history = {tuple(g): pegs(g, game.game_code) for g in game.previous_guesses}
+            left = consistent_codes(game.code_length, game.num_numbers, False, history)
+            listed = (
+                f"{len(left)} codes"
+                if len(left) > 12
+                else " ".join("".join(str(d) for d in c) for c in left)
+            )
+            guess = plain.gold_action()
+            assert action == f"Left: {listed}. {guess}", (seed, action)
+            assert tuple(game.game_code) in left
+            actions.append(action)
+            plain.step(guess)
+            if reasoned.step(action).done:
+                break
+        assert reasoned.game.game_code == plain.game.game_code
+        assert reasoned.episode_return == 1.0 and len(actions) <= 8
+    reasoned.reset(0)
+    if env_id == MASTERMIND:
+        assert reasoned.gold_action() == "Left: 30 codes. \\boxed{1 2}"
 
 
 def test_games_without_a_solver_give_no_demonstrations():
